@@ -1,0 +1,272 @@
+"""One configuration tree for kvtier.
+
+Sources, in increasing priority: a YAML file (``KVTIER_CONFIG_FILE`` or ``--config``), ``KVTIER_*``
+environment variables (nested keys joined by ``__``: ``KVTIER_KV_EVENTS__ENDPOINT``), then explicit
+overrides (CLI flags). An LMCache-style YAML file (``chunk_size``, ``local_cpu``, ``max_local_cpu_size``,
+``local_disk``, ...) is recognised and translated. Sizes go through ``parse_size``; booleans through
+``parse_bool``; every error names the key and the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BeforeValidator, Field
+
+from kvtier.errors import ConfigError
+from kvtier.hashing import ALGORITHMS, DEFAULT_SEED
+
+_UNITS = {"": None, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*)\s*$")
+EVICTION_POLICIES = ("LRU", "ARC", "S3FIFO")
+EVENT_ENCODINGS = ("vllm", "vllm-legacy", "sglang")
+
+
+def parse_size(value: Any, default_unit: str = "GB") -> float:
+    """Parse a size into a number of ``default_unit`` (GB by default).
+
+    ``"5GB"``, ``"512MiB"``, ``"100B"``, ``"1.5"`` (bare: ``default_unit``), ``2`` (number: ``default_unit``).
+    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+
+    Raises:
+        ConfigError: negative, unparsable, or an unknown unit (valid units listed).
+    """
+    per_unit = _UNITS[default_unit.lower()]
+    if isinstance(value, bool):
+        raise ConfigError(f"size must be a number or a string like '5GB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), None
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ConfigError(f"cannot parse size {value!r}; write e.g. '5GB', '512MiB' or '1.5' (GB)")
+        number, suffix = float(m.group(1)), m.group(2).lower()
+        if suffix not in _UNITS:
+            raise ConfigError(f"unknown size unit {m.group(2)!r} in {value!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        unit = _UNITS[suffix]
+    else:
+        raise ConfigError(f"size must be a number or a string like '5GB', got {type(value).__name__}")
+    if number < 0:
+        raise ConfigError(f"size must not be negative, got {value!r}")
+    return number if unit is None else number * unit / per_unit
+
+
+def parse_bool(value: Any) -> bool:
+    """``true/1/yes/on`` and ``false/0/no/off`` (any case), or a real bool. Raises ConfigError otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on", "y"):
+        return True
+    if text in ("false", "0", "no", "off", "n", ""):
+        return False
+    raise ConfigError(f"cannot read {value!r} as a boolean; use true/false, 1/0, yes/no or on/off")
+
+
+def _as_value_error(fn):
+    """Re-raise ConfigError as ValueError so pydantic attaches the key name to the message."""
+    def wrapped(value):
+        try:
+            return fn(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+    return wrapped
+
+
+SizeGB = Annotated[float, BeforeValidator(_as_value_error(parse_size)), Field(ge=0)]
+Bool = Annotated[bool, BeforeValidator(_as_value_error(parse_bool))]
+
+
+def _policy(value: Any) -> str:
+    name = str(value).upper().replace("-", "").replace("_", "")
+    if name not in EVICTION_POLICIES:
+        raise ValueError(f"unknown eviction policy {value!r}; valid: {', '.join(EVICTION_POLICIES)}")
+    return name
+
+
+def _algorithm(value: Any) -> str:
+    if value not in ALGORITHMS:
+        raise ValueError(f"unknown hash algorithm {value!r}; valid: {', '.join(ALGORITHMS)}")
+    return value
+
+
+class _Section(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class KVEventsConfig(_Section):
+    """KV cache event publishing (vLLM ``--kv-events-config`` names where they exist)."""
+
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    topic: str = "kv-events"
+    encoding: Literal["vllm", "vllm-legacy", "sglang"] = "vllm"
+    hash_format: Literal["int", "bytes"] = "int"
+    event_block_size: int | None = Field(None, gt=0)  # None: the chunk size
+    hwm: int = Field(100_000, ge=0)
+    buffer_steps: int = Field(10_000, gt=0)  # replay ring size, in batches
+    max_queue_size: int = Field(100_000, gt=0)  # events queued before the publisher thread; overflow is dropped and counted
+    batch_max_events: int = Field(1_000, gt=0)
+    batch_max_delay_ms: float = Field(10.0, ge=0)
+    data_parallel_rank: int = Field(0, ge=0)
+
+
+class ServerConfig(_Section):
+    """``kvtier server`` sockets, data plane and admin HTTP."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(5555, ge=0, le=65535)
+    admin_host: str = "127.0.0.1"
+    admin_port: int = Field(8080, ge=0, le=65535)
+    admin_token: pydantic.SecretStr | None = None
+    shared_memory: Bool = True  # same-host clients copy KV through shared memory
+    lease_seconds: float = Field(30.0, gt=0)  # pins held for a client expire after this
+    max_message_bytes: int = Field(1 << 30, gt=0)
+    shutdown_timeout_seconds: float = Field(10.0, ge=0)  # bounded wait for queued L2 writes
+
+
+class KVTierConfig(_Section):
+    """The whole configuration tree. Every key, unit and default is listed in docs/configuration.md."""
+
+    chunk_size: int = Field(256, gt=0)  # tokens per chunk; a multiple of the engine's block size
+    hash_algorithm: Annotated[str, BeforeValidator(_algorithm)] = "sha256_cbor"
+    hash_seed: str = DEFAULT_SEED
+    save_unfull_chunk: Bool = False
+    l1_size_gb: SizeGB = 1.0
+    eviction_policy: Annotated[str, BeforeValidator(_policy)] = "LRU"
+    l2_adapters: list[dict] = Field(default_factory=list)  # in cascade order; see l2.create_adapter
+    l2_write_queue_size: int = Field(64, ge=0)  # chunks waiting for L2; a full queue drops the write
+    l2_promote: Bool = True  # copy L2 hits into L1
+    l2_promote_to_faster_l2: Bool = False  # also copy hits into L2 adapters ahead of the one that had it
+    enable_kv_events: Bool = False
+    kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @property
+    def l1_size_bytes(self) -> int:
+        return int(self.l1_size_gb * 10**9)
+
+
+# LMCache YAML key -> how to translate it (LMCache sizes are GB).
+_LMCACHE_KEYS = {"local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
+                 "pre_caching_hash_algorithm", "remote_url", "remote_serde"}
+
+
+def _from_lmcache(data: dict) -> dict:
+    out = {k: v for k, v in data.items() if k not in _LMCACHE_KEYS}
+    if "max_local_cpu_size" in data:
+        out["l1_size_gb"] = data["max_local_cpu_size"]
+    if "local_cpu" in data and not parse_bool(data["local_cpu"]):
+        out["l1_size_gb"] = 0
+    if "pre_caching_hash_algorithm" in data:
+        algo = data["pre_caching_hash_algorithm"]
+        out["hash_algorithm"] = "sha256_cbor" if algo in ("builtin", "sha256_cbor_64bit") else algo
+    disk = data.get("local_disk")
+    if disk:
+        path = str(disk).removeprefix("file://")
+        spec = {"type": "local_disk", "path": path}
+        if data.get("max_local_disk_size") is not None:
+            spec["size_gb"] = parse_size(data["max_local_disk_size"])
+        out["l2_adapters"] = [spec, *out.get("l2_adapters", [])]
+    return out
+
+
+def _env_overrides(environ: dict[str, str]) -> dict:
+    out: dict = {}
+    for name, value in environ.items():
+        if not name.startswith("KVTIER_") or name in ("KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN"):
+            continue
+        path = name[len("KVTIER_"):].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = yaml.safe_load(value) if value.strip().startswith(("[", "{")) else value
+    if environ.get("KVTIER_ADMIN_TOKEN"):
+        out.setdefault("server", {})["admin_token"] = environ["KVTIER_ADMIN_TOKEN"]
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _nearest(key: str, model: type[pydantic.BaseModel]) -> str:
+    near = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.5)
+    return f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(model.model_fields)}"
+
+
+def _section_of(loc: tuple) -> type[pydantic.BaseModel]:
+    model: type[pydantic.BaseModel] = KVTierConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
+            model = ann
+    return model
+
+
+def build_config(data: dict) -> KVTierConfig:
+    """Validate a plain dict (already merged from every source) into a KVTierConfig.
+
+    Raises:
+        ConfigError: naming the offending key, what was wrong, and the nearest valid key.
+    """
+    try:
+        return KVTierConfig(**data)
+    except pydantic.ValidationError as exc:
+        msgs = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            key = ".".join(str(p) for p in loc)
+            if err["type"] == "extra_forbidden":
+                msgs.append(f"unknown key {key!r}{_nearest(str(loc[-1]), _section_of(loc))}")
+            else:
+                cause = err.get("ctx", {}).get("error")
+                msgs.append(f"key {key!r}: {cause if cause else err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None,
+                environ: dict[str, str] | None = None) -> KVTierConfig:
+    """Load the configuration: YAML file < ``KVTIER_*`` environment < ``overrides`` (CLI flags).
+
+    Args:
+        path: YAML file; defaults to ``$KVTIER_CONFIG_FILE`` when set. kvtier or LMCache keys.
+        overrides: explicit values (flags); ``None`` values are ignored.
+        environ: environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or bad value.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    path = path or environ.get("KVTIER_CONFIG_FILE")
+    data: dict = {}
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
+        data = _from_lmcache(data)
+    data = _merge(data, _env_overrides(environ))
+    data = _merge(data, _drop_none(overrides or {}))
+    return build_config(data)
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

@@ -1,0 +1,25 @@
+"""kvtier's exceptions. Every message says what was wrong and what to do about it."""
+
+
+class KVTierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KVTierError):
+    """A configuration value (file, environment variable, flag or JSON) is invalid."""
+
+
+class InputError(KVTierError):
+    """Tokens or KV tensors handed to kvtier do not match what was declared."""
+
+
+class CorruptRecordError(KVTierError):
+    """A stored chunk record failed its magic, length, checksum, key or token-id check."""
+
+
+class StorageError(KVTierError):
+    """An L2 adapter operation failed. The cache turns it into a miss plus a metric."""
+
+
+class ProtocolError(KVTierError):
+    """A server message is malformed, of the wrong version, or refused."""

@@ -1,0 +1,165 @@
+"""The L2 adapter contract, and the registry that builds adapters from ``--l2-adapter`` JSON.
+
+An adapter stores whole encoded records (``record.encode_record``) under names from
+``ChunkKey.name()`` (hex and ``-`` only). It does not interpret records: verification, prefix
+semantics, error-to-miss conversion, metrics and events live in ``l2.tier.L2Tier``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pydantic
+
+from kvtier.errors import ConfigError
+
+Buffer = bytes | bytearray | memoryview
+
+
+class AdapterConfig(pydantic.BaseModel):
+    """Fields every adapter accepts. Subclasses add their own; unknown keys are refused."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    type: str
+    name: str | None = None  # label in metrics and /status; defaults to the type
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Bytes and records held by an adapter. ``capacity_bytes`` is None when unbounded."""
+
+    used_bytes: int
+    num_records: int
+    capacity_bytes: int | None = None
+
+
+class L2Adapter(ABC):
+    """Contract every L2 adapter implements (see tests/contract/).
+
+    Rules:
+      * ``put`` makes a record visible only once it is complete (temp name + fsync + rename, or one
+        object PUT). Re-putting a stored name leaves usage unchanged.
+      * ``get`` returns the exact bytes put, or None; never a torn or mixed record.
+      * methods may raise; ``L2Tier`` turns any exception into a miss plus ``kvtier_l2_errors_total``.
+      * adapters with a capacity evict by themselves and report evicted names through ``on_evict``.
+    """
+
+    config_class: type[AdapterConfig] = AdapterConfig
+
+    def __init__(self, config: AdapterConfig):
+        self.config = config
+        self.label = config.name or config.type
+        self.on_evict: Callable[[list[str]], None] | None = None
+
+    @abstractmethod
+    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        """Store each (name, record parts); parts are concatenated in order. Returns stored flags."""
+
+    @abstractmethod
+    def get(self, names: Sequence[str]) -> list[Buffer | None]:
+        """Whole records for ``names`` (None where missing), in order."""
+
+    @abstractmethod
+    def contains(self, names: Sequence[str]) -> list[bool]:
+        """Which ``names`` are stored (from the index where the adapter keeps one)."""
+
+    @abstractmethod
+    def delete(self, names: Sequence[str]) -> int:
+        """Remove ``names``; returns how many existed."""
+
+    @abstractmethod
+    def list_names(self) -> list[str]:
+        """Every stored name (used to rebuild indexes on restart)."""
+
+    @abstractmethod
+    def usage(self) -> Usage:
+        """Current usage."""
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason). Default: healthy."""
+        return True, "ok"
+
+    def clear(self) -> list[str]:
+        """Delete everything; return the deleted names."""
+        names = self.list_names()
+        self.delete(names)
+        return names
+
+    def close(self) -> None:
+        """Release connections and threads."""
+
+    def _evicted(self, names: list[str]) -> None:
+        if names and self.on_evict is not None:
+            self.on_evict(names)
+
+
+# type -> (module, class); aliases map LMCache's L2 names (and GDS variants) onto ours.
+_REGISTRY = {
+    "local_disk": ("kvtier.l2.local_disk", "LocalDiskAdapter"),
+    "memory": ("kvtier.l2.memory", "MemoryAdapter"),
+    "faulty": ("kvtier.l2.faulty", "FaultyAdapter"),
+    "s3": ("kvtier.l2.s3", "S3Adapter"),
+    "azure_blob": ("kvtier.l2.azure_blob", "AzureBlobAdapter"),
+    "redis": ("kvtier.l2.redis", "RedisAdapter"),
+}
+ALIASES = {
+    "posix": ("local_disk", {}),
+    "hf3fs": ("local_disk", {}),
+    "gds": ("local_disk", {"direct_io": True}),
+    "gds_mt": ("local_disk", {"direct_io": True, "num_threads": 8}),
+    "obj": ("s3", {}),
+    "azure_blob": ("azure_blob", {}),
+    "valkey": ("redis", {}),
+}
+
+
+def adapter_types() -> list[str]:
+    """Every accepted ``type`` value (canonical names and aliases)."""
+    return sorted(set(_REGISTRY) | {a.upper() for a in ALIASES})
+
+
+def create_adapter(spec: dict) -> L2Adapter:
+    """Build an adapter from its JSON/YAML spec, e.g. ``{"type": "local_disk", "path": "/data"}``.
+
+    Raises:
+        ConfigError: unknown type (with the nearest valid one), unknown or missing field, bad value,
+            or the adapter's own startup check (e.g. a path that is not writable).
+    """
+    if not isinstance(spec, dict) or "type" not in spec:
+        raise ConfigError(f"an L2 adapter spec must be a JSON object with a 'type'; got {spec!r}")
+    raw_type = str(spec["type"])
+    canonical, defaults = ALIASES.get(raw_type.lower(), (raw_type, {}))
+    if canonical not in _REGISTRY:
+        near = difflib.get_close_matches(raw_type, adapter_types(), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"unknown L2 adapter type {raw_type!r}{hint} Valid types: {', '.join(adapter_types())}")
+    module, cls_name = _REGISTRY[canonical]
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except ImportError as exc:
+        raise ConfigError(f"L2 adapter {canonical!r} needs an extra package ({exc.name}); "
+                          f"install it with: pip install 'kvtier[l2]'") from None
+    fields = {**defaults, **spec, "type": canonical}
+    try:
+        config = cls.config_class(**fields)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(f"L2 adapter {canonical!r}: {_describe(exc, cls.config_class)}") from None
+    return cls(config)
+
+
+def _describe(exc: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> str:
+    msgs = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            near = difflib.get_close_matches(field, list(model.model_fields), n=1)
+            msgs.append(f"unknown field {field!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        elif err["type"] == "missing":
+            msgs.append(f"missing required field {field!r}")
+        else:
+            msgs.append(f"field {field!r}: {err['msg']}")
+    return "; ".join(msgs)

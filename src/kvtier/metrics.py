@@ -1,0 +1,98 @@
+"""Every kvtier metric, in one table, with exact in-process values.
+
+Values are kept here (thread-safe) so counters are exact and testable without a scrape. The server
+exposes them through OpenTelemetry meters and the Prometheus exporter (``kvtier.server.telemetry``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+    unit: str = "1"
+
+
+METRICS: dict[str, MetricSpec] = {m.name: m for m in (
+    MetricSpec("kvtier_lookup_requests_total", "counter", "Lookup requests served."),
+    MetricSpec("kvtier_lookup_tokens_total", "counter", "Tokens asked about in lookups."),
+    MetricSpec("kvtier_lookup_hit_tokens_total", "counter", "Leading tokens found by lookups, by the tier that held the chunk.", ("medium",)),
+    MetricSpec("kvtier_store_chunks_total", "counter", "Chunks newly stored into L1."),
+    MetricSpec("kvtier_retrieve_chunks_total", "counter", "Chunks returned by retrieve."),
+    MetricSpec("kvtier_l1_usage_bytes", "gauge", "Bytes of L1 in use.", unit="By"),
+    MetricSpec("kvtier_l1_capacity_bytes", "gauge", "L1 byte budget.", unit="By"),
+    MetricSpec("kvtier_l1_chunks", "gauge", "Chunks held in L1."),
+    MetricSpec("kvtier_evicted_chunks_total", "counter", "Chunks evicted, by tier.", ("medium",)),
+    MetricSpec("kvtier_l2_errors_total", "counter", "L2 adapter operations that failed (each counted as a miss).", ("adapter", "op")),
+    MetricSpec("kvtier_l2_write_dropped_total", "counter", "L2 writes dropped because the write queue was full or the write failed."),
+    MetricSpec("kvtier_l2_writes_total", "counter", "Chunk records written to an L2 adapter.", ("adapter",)),
+    MetricSpec("kvtier_l2_promoted_chunks_total", "counter", "L2 hits copied into L1."),
+    MetricSpec("kvtier_corrupt_records_total", "counter", "L2 records that failed verification (deleted, counted as a miss).", ("adapter",)),
+    MetricSpec("kvtier_store_seconds", "histogram", "Store latency.", unit="s"),
+    MetricSpec("kvtier_retrieve_seconds", "histogram", "Retrieve latency.", unit="s"),
+    MetricSpec("kvtier_connected_clients", "gauge", "Clients connected to the server."),
+    MetricSpec("kvtier_events_dropped_total", "counter", "KV cache events dropped because the event queue was full."),
+    MetricSpec("kvtier_events_published_total", "counter", "KV cache events published."),
+    MetricSpec("kvtier_client_unavailable_total", "counter", "Client calls answered as a miss because the server was unreachable."),
+)}
+
+
+class Metrics:
+    """Exact values of the metrics above. ``inc``/``set``/``observe`` raise KeyError on unknown names or labels."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
+        self._observations: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.listeners: list = []  # callables (name, labels_tuple, value) for histogram exporters
+
+    @staticmethod
+    def _key(name: str, labels: dict) -> tuple:
+        spec = METRICS[name]
+        if set(labels) != set(spec.labels):
+            raise KeyError(f"metric {name} takes labels {spec.labels}, got {tuple(labels)}")
+        return tuple(str(labels[k]) for k in spec.labels)
+
+    def inc(self, name: str, value: float = 1, **labels) -> None:
+        key = self._key(name, labels)
+        with self._lock:
+            self._values[name][key] += value
+
+    def set(self, name: str, value: float, **labels) -> None:
+        key = self._key(name, labels)
+        with self._lock:
+            self._values[name][key] = value
+
+    def observe(self, name: str, seconds: float, **labels) -> None:
+        key = self._key(name, labels)
+        with self._lock:
+            obs = self._observations[name][key]
+            obs.append(seconds)
+            if len(obs) > 10_000:  # keep a bounded window for quantiles; exporters see every value
+                del obs[:5_000]
+        for listener in self.listeners:
+            listener(name, key, seconds)
+
+    def value(self, name: str, **labels) -> float:
+        """Current value (0 if never set)."""
+        key = self._key(name, labels)
+        with self._lock:
+            return self._values[name].get(key, 0.0)
+
+    def samples(self, name: str) -> dict[tuple, float]:
+        """Every label combination of a counter or gauge and its value."""
+        with self._lock:
+            return dict(self._values[name])
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """{metric: {"label=value,...": value}} of counters and gauges (for /status and tests)."""
+        with self._lock:
+            return {name: {",".join(f"{l}={v}" for l, v in zip(METRICS[name].labels, key)): val
+                           for key, val in series.items()} for name, series in self._values.items()}
