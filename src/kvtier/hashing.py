@@ -9,6 +9,7 @@ events-and-hashing.md §2). Python's ``hash()`` is never used, so every process 
 
 from __future__ import annotations
 
+import array
 import hashlib
 import pickle  # only to reproduce vLLM's "sha256" digest input; nothing pickled leaves the process
 from collections.abc import Sequence
@@ -62,6 +63,19 @@ def as_token_array(tokens) -> np.ndarray:
     """
     if hasattr(tokens, "detach"):  # torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, (list, tuple)):
+        try:  # array("Q") is the fastest strict conversion of a list: floats and negatives raise
+            arr = np.frombuffer(array.array("Q", tokens), dtype=np.int64) if tokens else np.zeros(0, np.int64)
+        except (TypeError, OverflowError):
+            arr = _as_array_slow(tokens)
+    else:
+        arr = _as_array_slow(tokens)
+    if arr.size and arr.min() < 0:
+        raise InputError(f"token ids must be non-negative; got {int(arr.min())}")
+    return arr
+
+
+def _as_array_slow(tokens) -> np.ndarray:
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError):
@@ -72,31 +86,58 @@ def as_token_array(tokens) -> np.ndarray:
         return arr.astype(np.int64)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise InputError(f"tokens must be ints; got dtype {arr.dtype}. Tokenize the text first")
-    if arr.min() < 0:
-        raise InputError(f"token ids must be non-negative; got {int(arr.min())}")
+    if arr.dtype == np.uint64 and arr.max() >= 2**63:
+        raise InputError("token ids must be below 2**63")
     return arr.astype(np.int64, copy=False)
 
 
-def _cbor_uints(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Canonical CBOR encodings of every token, concatenated; plus each token's start offset."""
-    t = tokens.astype(np.uint64)
-    lens = np.select([t < 24, t < 256, t < 65536, t < 2**32], [1, 2, 3, 5], 9).astype(np.int64)
-    ends = np.cumsum(lens)
-    starts = ends - lens
-    out = np.zeros(int(ends[-1]) if len(ends) else 0, dtype=np.uint8)
-    for width, head in ((1, None), (2, 0x18), (3, 0x19), (5, 0x1A), (9, 0x1B)):
-        mask = lens == width
-        if not mask.any():
-            continue
-        s, v = starts[mask], t[mask]
-        if head is None:
-            out[s] = v.astype(np.uint8)
-            continue
-        out[s] = head
-        for b in range(width - 1):
-            out[s + 1 + b] = ((v >> np.uint64(8 * (width - 2 - b))) & np.uint64(0xFF)).astype(np.uint8)
-    return out, starts
+def _small_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For 0..65535: CBOR encodings packed in a uint32 (bytes in encoding order), a uint32 whose
+    bytes are 1 where the encoding has a byte, and the lengths (1, 2 or 3)."""
+    v = np.arange(65536, dtype=np.int64)
+    lens = 1 + (v >= 24) + (v >= 256)
+    enc = np.zeros((65536, 4), np.uint8)
+    enc[:24, 0] = v[:24]
+    enc[24:256, 0], enc[24:256, 1] = 0x18, v[24:256]
+    enc[256:, 0], enc[256:, 1], enc[256:, 2] = 0x19, v[256:] >> 8, v[256:] & 0xFF
+    mask = (np.arange(4) < lens[:, None]).astype(np.uint8)
+    return enc.view(np.uint32).ravel(), mask.view(np.uint32).ravel(), lens
 
+
+_TABLE: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+def _cbor_uints(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Canonical CBOR encodings of every token, concatenated, and each token's encoded length.
+
+    Gathers from a 65536-entry table (4 bytes a token) then drops the unused bytes: several times
+    faster than encoding token by token, and identical to ``cbor2.dumps(..., canonical=True)``.
+    """
+    global _TABLE
+    if tokens.size and int(tokens.max()) < 65536:
+        if _TABLE is None:
+            _TABLE = _small_table()
+        enc, mask, lens_of = _TABLE
+        rows = enc[tokens].view(np.uint8)
+        keep = mask[tokens].view(np.bool_)
+        return rows[keep], lens_of[tokens]
+    # general case: head byte + the low (width - 1) bytes of the big-endian uint64
+    t = tokens.astype(np.uint64)
+    lens = (1 + (t >= 24) + (t >= 256) + 2 * (t >= 65536) + 4 * (t >= 2**32)).astype(np.int64)
+    head = _heads(t, lens)
+    rows = np.concatenate([head[:, None], t.astype(">u8").view(np.uint8).reshape(-1, 8)], axis=1)
+    col = np.arange(9)
+    return rows[(col >= (10 - lens)[:, None]) | (col == 0)], lens
+
+
+def _heads(t: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """CBOR initial byte of each unsigned int: the value itself below 24, else 0x18/0x19/0x1A/0x1B by width."""
+    head = np.full(len(t), 0x1B, np.uint8)
+    for width, byte in ((5, 0x1A), (3, 0x19), (2, 0x18)):
+        head[lens == width] = byte
+    small = lens == 1
+    head[small] = t[small].astype(np.uint8)
+    return head
 
 
 def _cbor_head(major: int, n: int) -> bytes:
@@ -151,22 +192,29 @@ def prefix_hashes(
         return out
     cbor = algorithm in ("sha256_cbor", "xxhash_cbor")
     if cbor:
-        enc, starts = _cbor_uints(arr[: n * chunk_size] if n == n_full else arr)
-        bounds = list(starts) + [len(enc)]
+        enc, lens = _cbor_uints(arr[: n * chunk_size] if n == n_full else arr)
+        # byte offset of each chunk boundary in enc
+        per_chunk = np.add.reduceat(lens, np.arange(0, len(lens), chunk_size))
+        bounds = np.concatenate([[0], np.cumsum(per_chunk)]).tolist()
+        enc_bytes = enc.tobytes()
+        # (parent, tuple(tokens), extra) is a CBOR 3-array: bstr parent, uint array, extra (nil)
+        head = b"\x83" + _cbor_head(2, len(prev))
+        full_array = _cbor_head(4, chunk_size)
+        fn = hashlib.sha256 if algorithm == "sha256_cbor" else xxhash.xxh3_128
     else:
         as_list = arr.tolist()
     for i in range(n):
         lo, hi = i * chunk_size, min((i + 1) * chunk_size, len(arr))
         extra = None if extra_keys is None else extra_keys[i]
-        if algorithm == "sha256_cbor_64bit":
-            data = cbor2.dumps((int.from_bytes(prev, "big"), tuple(arr[lo:hi].tolist()), extra), canonical=True)
-        elif cbor:
+        if cbor:
             tail = b"\xf6" if extra is None else cbor2.dumps(extra, canonical=True)
-            # (parent, tuple(tokens), extra) as a 3-array: bstr parent, uint array, extra (nil)
-            data = b"".join((b"\x83", _cbor_head(2, len(prev)), prev, _cbor_head(4, hi - lo),
-                             enc[bounds[lo]:bounds[hi]].tobytes(), tail))
+            array_head = full_array if hi - lo == chunk_size else _cbor_head(4, hi - lo)
+            prev = fn(b"".join((head, prev, array_head, enc_bytes[bounds[i]:bounds[i + 1]], tail))).digest()
         else:
-            data = pickle.dumps((prev, tuple(as_list[lo:hi]), extra), protocol=pickle.HIGHEST_PROTOCOL)
-        prev = _digest(algorithm, data)
+            if algorithm == "sha256_cbor_64bit":
+                data = cbor2.dumps((int.from_bytes(prev, "big"), tuple(as_list[lo:hi]), extra), canonical=True)
+            else:
+                data = pickle.dumps((prev, tuple(as_list[lo:hi]), extra), protocol=pickle.HIGHEST_PROTOCOL)
+            prev = _digest(algorithm, data)
         out.append(prev)
     return out

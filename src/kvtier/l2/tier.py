@@ -1,0 +1,263 @@
+"""L2Tier: the adapters behind L1, in cascade order.
+
+Owns what every adapter shares: record verification (a bad record is a miss, deleted and counted),
+prefix semantics on reads (stop at the first missing chunk), error-to-miss conversion with
+``kvtier_l2_errors_total``, and the bounded asynchronous write-through queue (a full queue drops
+the write and counts it; it never blocks the caller).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.errors import CorruptRecordError
+from kvtier.keys import ChunkKey, parse_name
+from kvtier.l2.base import L2Adapter
+from kvtier.layout import KVLayout
+from kvtier.metrics import Metrics
+from kvtier.record import decode_record, encode_record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WriteItem:
+    """One chunk to write: its key, layout, token ids and payload (a view pinned in L1 until written)."""
+
+    key: ChunkKey
+    layout: KVLayout
+    token_ids: list[int]
+    payload: memoryview
+
+
+@dataclass(slots=True)
+class _WriteBatch:
+    tokens: object  # full token prefix (numpy int64) up to the end of the batch, for events
+    first_chunk: int
+    items: list[WriteItem]
+    release: Callable[[ChunkKey], None]
+
+
+class L2Tier:
+    """Cascade of L2 adapters with verified reads and bounded asynchronous writes.
+
+    Args:
+        adapters: in cascade order (fastest first).
+        metrics: where errors, drops, writes and corrupt records are counted.
+        events: an EventEmitter (``stored``/``removed`` with medium ``STORAGE``) or None.
+        queue_chunks: most chunks waiting to be written; more are dropped and counted.
+        promote_to_faster: on a hit in adapter i, also write the record into adapters before i.
+    """
+
+    def __init__(self, adapters: Sequence[L2Adapter], metrics: Metrics, events=None,
+                 queue_chunks: int = 64, promote_to_faster: bool = False):
+        self.adapters = list(adapters)
+        self.metrics = metrics
+        self.events = events
+        self.queue_chunks = queue_chunks
+        self.promote_to_faster = promote_to_faster
+        self._queue: deque[_WriteBatch] = deque()
+        self._pending = 0  # chunks queued or being written
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        for adapter in self.adapters:
+            adapter.on_evict = lambda names, a=adapter: self._on_adapter_evict(a, names)
+        if self.adapters:
+            self._thread = threading.Thread(target=self._writer, name="kvtier-l2-writer", daemon=True)
+            self._thread.start()
+
+    # ---- reads -------------------------------------------------------------------------
+    def _call(self, adapter: L2Adapter, op: str, fn, *args, default=None):
+        try:
+            return fn(*args)
+        except Exception as exc:  # any adapter failure is a miss plus a metric, never an engine error
+            self.metrics.inc("kvtier_l2_errors_total", adapter=adapter.label, op=op)
+            log.warning("L2 adapter %s %s failed: %s", adapter.label, op, exc)
+            return default
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading ``keys`` some adapter holds."""
+        if not keys or not self.adapters:
+            return 0
+        names = [k.name() for k in keys]
+        present = [False] * len(names)
+        for adapter in self.adapters:
+            missing = [i for i, p in enumerate(present) if not p]
+            if not missing:
+                break
+            found = self._call(adapter, "contains", adapter.contains, [names[i] for i in missing],
+                               default=[False] * len(missing))
+            for i, hit in zip(missing, found):
+                present[i] = present[i] or bool(hit)
+        count = 0
+        while count < len(present) and present[count]:
+            count += 1
+        return count
+
+    def read(self, keys: Sequence[ChunkKey], token_ids: Sequence[list[int]]) -> list[memoryview]:
+        """Verified payloads of the leading ``keys`` found in any adapter (stops at the first miss).
+
+        A record failing verification is deleted from that adapter, counted in
+        ``kvtier_corrupt_records_total`` and treated as a miss there (the next adapter may still hit).
+        """
+        out: list[memoryview] = []
+        for key, tokens in zip(keys, token_ids):
+            payload = self._read_one(key, tokens)
+            if payload is None:
+                break
+            out.append(payload)
+        return out
+
+    def _read_one(self, key: ChunkKey, tokens: list[int]) -> memoryview | None:
+        name = key.name()
+        for index, adapter in enumerate(self.adapters):
+            got = self._call(adapter, "get", adapter.get, [name], default=[None])
+            buf = got[0] if got else None
+            if buf is None:
+                continue
+            try:
+                header, payload = decode_record(buf, key, tokens)
+            except CorruptRecordError as exc:
+                log.warning("L2 adapter %s: dropping bad record %s: %s", adapter.label, name, exc)
+                self.metrics.inc("kvtier_corrupt_records_total", adapter=adapter.label)
+                self._call(adapter, "delete", adapter.delete, [name])
+                self._removed_if_gone([name])
+                continue
+            if self.promote_to_faster and index > 0:
+                parts = [memoryview(buf)[: len(memoryview(buf)) - payload.nbytes], payload]
+                for faster in self.adapters[:index]:
+                    self._call(faster, "put", faster.put, [(name, parts)])
+            return payload
+        return None
+
+    # ---- writes ------------------------------------------------------------------------
+    def write_async(self, tokens, first_chunk: int, items: list[WriteItem],
+                    release: Callable[[ChunkKey], None]) -> int:
+        """Queue ``items`` (consecutive chunks from ``first_chunk``) for write-through to every adapter.
+
+        Items that do not fit in the queue are dropped (``kvtier_l2_write_dropped_total``) and
+        released at once. Returns how many were queued. Never blocks.
+        """
+        if not self.adapters or not items:
+            for item in items:
+                release(item.key)
+            return 0
+        with self._cond:
+            room = 0 if self._closed else max(0, self.queue_chunks - self._pending)
+            queued, dropped = items[:room], items[room:]
+            if queued:
+                self._queue.append(_WriteBatch(tokens, first_chunk, queued, release))
+                self._pending += len(queued)
+                self._cond.notify_all()
+        if dropped:
+            self.metrics.inc("kvtier_l2_write_dropped_total", len(dropped))
+            for item in dropped:
+                release(item.key)
+        return len(queued)
+
+    def _writer(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = self._queue.popleft()
+            try:
+                self._write_batch(batch)
+            finally:
+                for item in batch.items:
+                    batch.release(item.key)
+                with self._cond:
+                    self._pending -= len(batch.items)
+                    self._cond.notify_all()
+
+    def _write_batch(self, batch: _WriteBatch) -> None:
+        records = [(item.key.name(), encode_record(item.key, item.layout, item.token_ids, item.payload))
+                   for item in batch.items]
+        stored = [False] * len(records)
+        for adapter in self.adapters:
+            flags = self._call(adapter, "put", adapter.put, records, default=None)
+            if flags is None:
+                continue
+            for i, ok in enumerate(flags):
+                stored[i] = stored[i] or bool(ok)
+            self.metrics.inc("kvtier_l2_writes_total", sum(1 for f in flags if f), adapter=adapter.label)
+        failed = stored.count(False)
+        if failed:
+            self.metrics.inc("kvtier_l2_write_dropped_total", failed)
+        if self.events is not None:
+            run = 0  # announce the leading run of written chunks; a gap breaks the prefix chain
+            while run < len(stored) and stored[run]:
+                run += 1
+            if run:
+                # batch.tokens ends where the last item ends; cut it where the run ends
+                start = len(batch.tokens) - sum(len(i.token_ids) for i in batch.items)
+                end = start + sum(len(i.token_ids) for i in batch.items[:run])
+                self.events.stored(batch.tokens[:end], batch.first_chunk, run, "STORAGE")
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write is done. Returns False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    # ---- removal and status ------------------------------------------------------------
+    def _on_adapter_evict(self, adapter: L2Adapter, names: list[str]) -> None:
+        self.metrics.inc("kvtier_evicted_chunks_total", len(names), medium="STORAGE")
+        self._removed_if_gone(names)
+
+    def _removed_if_gone(self, names: list[str]) -> None:
+        """Emit BlockRemoved(STORAGE) for names no adapter holds any more (the last copy went)."""
+        if self.events is None or not names:
+            return
+        still = [False] * len(names)
+        for adapter in self.adapters:
+            found = self._call(adapter, "contains", adapter.contains, names, default=[False] * len(names))
+            still = [a or bool(b) for a, b in zip(still, found)]
+        gone = [parse_name(n)[1] for n, s in zip(names, still) if not s]
+        if gone:
+            self.events.removed(gone, "STORAGE")
+
+    def clear(self) -> int:
+        """Delete every record in every adapter (after pending writes). Returns how many were deleted."""
+        self.flush()
+        total = 0
+        for adapter in self.adapters:
+            total += len(self._call(adapter, "clear", adapter.clear, default=[]) or [])
+        return total
+
+    def status(self) -> list[dict]:
+        """Per adapter: label, type, health, reason and usage (no secrets)."""
+        out = []
+        for adapter in self.adapters:
+            healthy, reason = self._call(adapter, "health", adapter.health, default=(False, "health check failed"))
+            usage = self._call(adapter, "usage", adapter.usage, default=None)
+            out.append({"name": adapter.label, "type": adapter.config.type, "healthy": healthy, "reason": reason,
+                        "used_bytes": usage.used_bytes if usage else None,
+                        "num_records": usage.num_records if usage else None,
+                        "capacity_bytes": usage.capacity_bytes if usage else None})
+        return out
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Finish queued writes (bounded wait), stop the writer, close adapters. Returns False if writes were cut off."""
+        done = self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        for adapter in self.adapters:
+            self._call(adapter, "close", adapter.close)
+        return done

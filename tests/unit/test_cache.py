@@ -1,0 +1,235 @@
+"""KVCache over L1 + local disk: prefix semantics, exact bytes, bad input, drops, recovery."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.cache import KVCache
+from kvtier.config import build_config
+from kvtier.errors import ConfigError, InputError, KVTierError
+from kvtier.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8)
+CHUNK = 16
+
+
+def make_cache(tmp_path, disk=True, **overrides):
+    spec = [{"type": "local_disk", "path": str(tmp_path / "disk")}] if disk else []
+    cfg = build_config({"chunk_size": CHUNK, "l1_size_gb": "64MiB", "l2_adapters": spec, **overrides})
+    return KVCache(cfg, "test-model", LAYOUT)
+
+
+def kv_for(tokens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.chunk_shape(len(tokens)), generator=gen)
+
+
+def test_store_lookup_retrieve_exact(tmp_path):
+    cache = make_cache(tmp_path)
+    tokens = list(range(100, 164))  # 4 full chunks
+    kv = kv_for(tokens)
+    assert cache.lookup(tokens) == 0
+    assert cache.store(tokens, kv) == 4
+    assert cache.lookup(tokens) == 64
+    out, n = cache.retrieve(tokens)
+    assert n == 64 and torch.equal(out, kv)
+    # a longer prompt sharing the prefix hits the prefix only
+    longer = tokens + [1, 2, 3] * 10
+    assert cache.lookup(longer) == 64
+    out, n = cache.retrieve(longer)
+    assert n == 64 and torch.equal(out, kv)
+    # a different first token changes every prefix hash
+    assert cache.lookup([99] + tokens[1:]) == 0
+    cache.close()
+
+
+@pytest.mark.parametrize("length", [5, 15, 17, 40])
+def test_partial_chunks_cover_full_chunks_only(tmp_path, length):
+    cache = make_cache(tmp_path)
+    tokens = list(range(length))
+    kv = kv_for(tokens)
+    cache.store(tokens, kv)
+    full = (length // CHUNK) * CHUNK
+    assert cache.lookup(tokens) == full
+    out, n = cache.retrieve(tokens)
+    assert n == full and torch.equal(out, kv[:, :, :full])
+    cache.close()
+
+
+def test_save_unfull_chunk_stores_the_tail(tmp_path):
+    cache = make_cache(tmp_path, save_unfull_chunk=True)
+    tokens = list(range(40))
+    kv = kv_for(tokens)
+    cache.store(tokens, kv)
+    assert cache.lookup(tokens) == 40
+    out, n = cache.retrieve(tokens)
+    assert n == 40 and torch.equal(out, kv)
+    # extending the prompt does not extend the stored tail in place
+    assert cache.lookup(tokens + [7]) == 32
+    cache.close()
+
+
+def test_storing_twice_leaves_usage_unchanged(tmp_path):
+    cache = make_cache(tmp_path)
+    tokens = list(range(48))
+    kv = kv_for(tokens)
+    assert cache.store(tokens, kv) == 3
+    cache.flush()
+    l1_used, l2_used = cache.l1.used_bytes, cache.l2.adapters[0].usage().used_bytes
+    files = sorted(p.name for p in (tmp_path / "disk").rglob("*") if p.is_file())
+    assert cache.store(tokens, kv) == 0
+    cache.flush()
+    assert cache.l1.used_bytes == l1_used
+    assert cache.l2.adapters[0].usage().used_bytes == l2_used
+    assert sorted(p.name for p in (tmp_path / "disk").rglob("*") if p.is_file()) == files
+    cache.close()
+
+
+def test_l2_hit_is_promoted_and_exact(tmp_path):
+    cache = make_cache(tmp_path)
+    tokens = list(range(64))
+    kv = kv_for(tokens, seed=3)
+    cache.store(tokens, kv)
+    cache.flush()
+    cache.clear("CPU")
+    assert cache.l1.num_chunks == 0
+    assert cache.lookup(tokens) == 64
+    out, n = cache.retrieve(tokens)
+    assert n == 64 and torch.equal(out, kv)
+    assert cache.l1.num_chunks == 4
+    assert cache.metrics.value("kvtier_l2_promoted_chunks_total") == 4
+    cache.close()
+
+
+def test_file_deleted_by_hand_is_a_miss(tmp_path):
+    cache = make_cache(tmp_path)
+    tokens = list(range(64))
+    kv = kv_for(tokens)
+    cache.store(tokens, kv)
+    cache.flush()
+    cache.clear("CPU")
+    files = sorted(p for p in (tmp_path / "disk").rglob("*") if p.is_file())
+    assert len(files) == 4
+    victim = next(f for f in files if cache.chunk_refs(tokens)[1][2].key.name() in f.name)
+    victim.unlink()
+    out, n = cache.retrieve(tokens)  # chunks 0 and 1 only: prefix semantics stop at the hole
+    assert n == 32 and torch.equal(out, kv[:, :, :32])
+    cache.close()
+
+
+def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path):
+    cache = make_cache(tmp_path)
+    tokens = list(range(32))
+    kv = kv_for(tokens)
+    cache.store(tokens, kv)
+    cache.flush()
+    cache.clear("CPU")
+    name = cache.chunk_refs(tokens)[1][0].key.name()
+    path = next(p for p in (tmp_path / "disk").rglob("*") if p.is_file() and name in p.name)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    out, n = cache.retrieve(tokens)
+    assert n == 0 and out.shape[2] == 0
+    assert not path.exists()
+    assert sum(cache.metrics.samples("kvtier_corrupt_records_total").values()) == 1
+    cache.close()
+
+
+def test_new_process_hits_what_the_first_stored(tmp_path):
+    cache = make_cache(tmp_path)
+    tokens = list(range(48))
+    kv = kv_for(tokens, seed=7)
+    cache.store(tokens, kv)
+    cache.close()
+    script = textwrap.dedent(f"""
+        import torch
+        from kvtier.cache import KVCache
+        from kvtier.config import build_config
+        from kvtier.layout import KVLayout
+        cfg = build_config({{"chunk_size": {CHUNK}, "l1_size_gb": "64MiB",
+                             "l2_adapters": [{{"type": "local_disk", "path": {str(tmp_path / 'disk')!r}}}]}})
+        cache = KVCache(cfg, "test-model", KVLayout(2, 2, 8))
+        tokens = list(range(48))
+        assert cache.lookup(tokens) == 48, cache.lookup(tokens)
+        out, n = cache.retrieve(tokens)
+        expected = torch.randn((2, 2, 48, 2, 8), generator=torch.Generator().manual_seed(7))
+        assert n == 48 and torch.equal(out, expected)
+        print("ok")
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
+
+
+def test_full_write_queue_drops_and_counts_without_blocking(tmp_path):
+    cache = make_cache(tmp_path, l2_write_queue_size=0)
+    tokens = list(range(64))
+    assert cache.store(tokens, kv_for(tokens)) == 4
+    assert cache.metrics.value("kvtier_l2_write_dropped_total") == 4
+    assert cache.l2.adapters[0].usage().num_records == 0
+    assert cache.lookup(tokens) == 64  # L1 still serves it
+    cache.close()
+
+
+def test_bf16_round_trip(tmp_path):
+    layout = KVLayout(2, 2, 8, "bfloat16")
+    cfg = build_config({"chunk_size": CHUNK, "l1_size_gb": "16MiB"})
+    cache = KVCache(cfg, "m", layout)
+    tokens = list(range(32))
+    kv = torch.randn(layout.chunk_shape(32)).to(torch.bfloat16)
+    cache.store(tokens, kv)
+    out, n = cache.retrieve(tokens)
+    assert n == 32 and out.dtype == torch.bfloat16 and torch.equal(out, kv)
+    cache.close()
+
+
+def test_models_layouts_and_namespaces_never_mix(tmp_path):
+    cfg = build_config({"chunk_size": CHUNK, "l1_size_gb": "64MiB"})
+    a = KVCache(cfg, "model-a", LAYOUT)
+    tokens = list(range(32))
+    a.store(tokens, kv_for(tokens))
+    b = KVCache(cfg, "model-b", LAYOUT, tiers=a.tiers)
+    c = KVCache(cfg, "model-a", KVLayout(2, 2, 8, "bfloat16"), tiers=a.tiers)
+    assert b.lookup(tokens) == 0 and c.lookup(tokens) == 0
+    assert a.lookup(tokens, namespace="lora=x") == 0 and a.lookup(tokens) == 32
+    a.close()
+
+
+@pytest.mark.parametrize("tokens,kv_shape,dtype,needle", [
+    ([[1, 2], [3, 4]], None, torch.float32, "1-D"),
+    ([1, -2, 3], None, torch.float32, "non-negative"),
+    ([1.5, 2.5], None, torch.float32, "ints"),
+    (list(range(16)), (2, 2, 15, 2, 8), torch.float32, "shape"),
+    (list(range(16)), (2, 2, 16, 2, 8), torch.float64, "dtype"),
+])
+def test_bad_input_is_a_clear_error(tmp_path, tokens, kv_shape, dtype, needle):
+    cache = make_cache(tmp_path, disk=False)
+    kv = torch.zeros(kv_shape or (2, 2, 2, 2, 8), dtype=dtype)
+    with pytest.raises(InputError, match=needle):
+        cache.store(tokens, kv)
+    cache.close()
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="chunk_size"):
+        build_config({"chunk_size": 0})
+    with pytest.raises(ConfigError, match="S3FIFO"):
+        build_config({"eviction_policy": "random"})
+    with pytest.raises(ConfigError, match="xxhash"):
+        build_config({"hash_algorithm": "crc32"})
+    with pytest.raises(KVTierError, match="l1_size_gb"):
+        KVCache(build_config({"l1_size_gb": 0}), "m", LAYOUT)
+
+
+def test_unwritable_l2_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = build_config({"chunk_size": CHUNK, "l1_size_gb": "8MiB",
+                        "l2_adapters": [{"type": "local_disk", "path": str(blocker / "sub")}]})
+    with pytest.raises(ConfigError, match=str(blocker)):
+        KVCache(cfg, "m", LAYOUT)

@@ -1,0 +1,77 @@
+"""Configuration: sources and priority, LMCache keys, size and bool parsing, clear errors."""
+
+import pytest
+
+from kvtier.config import build_config, load_config, parse_bool, parse_size
+from kvtier.errors import ConfigError
+
+
+@pytest.mark.parametrize("text,gb", [("5GB", 5), ("512MiB", 512 * 2**20 / 1e9), ("1.5", 1.5), (2, 2),
+                                      ("100B", 1e-7), ("1TiB", 2**40 / 1e9), (" 3 gb ", 3)])
+def test_parse_size(text, gb):
+    assert parse_size(text) == pytest.approx(gb)
+
+
+@pytest.mark.parametrize("bad", ["-1GB", "1.5XB", "lots", -3, True])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+@pytest.mark.parametrize("text,value", [("false", False), ("0", False), ("no", False), ("OFF", False),
+                                         ("true", True), ("1", True), ("yes", True), ("on", True)])
+def test_parse_bool(text, value):
+    assert parse_bool(text) is value
+
+
+def test_env_false_means_false_and_priority(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("chunk_size: 128\nenable_kv_events: true\nl1_size_gb: 2\n")
+    cfg = load_config(f, environ={"KVTIER_ENABLE_KV_EVENTS": "false", "KVTIER_L1_SIZE_GB": "3GB"})
+    assert cfg.enable_kv_events is False and cfg.l1_size_gb == 3 and cfg.chunk_size == 128
+    cfg = load_config(f, overrides={"l1_size_gb": 4, "chunk_size": None},
+                      environ={"KVTIER_L1_SIZE_GB": "3GB"})
+    assert cfg.l1_size_gb == 4 and cfg.chunk_size == 128
+    cfg = load_config(environ={"KVTIER_CONFIG_FILE": str(f), "KVTIER_KV_EVENTS__TOPIC": "t"})
+    assert cfg.chunk_size == 128 and cfg.kv_events.topic == "t"
+
+
+def test_lmcache_style_file(tmp_path):
+    f = tmp_path / "lmcache.yaml"
+    f.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 5\nlocal_disk: file:///tmp/kvdisk\n"
+                 "max_local_disk_size: 20\nenable_kv_events: true\npre_caching_hash_algorithm: sha256_cbor\n"
+                 "save_unfull_chunk: false\n")
+    cfg = load_config(f, environ={})
+    assert cfg.l1_size_gb == 5 and cfg.enable_kv_events and cfg.hash_algorithm == "sha256_cbor"
+    assert cfg.l2_adapters == [{"type": "local_disk", "path": "/tmp/kvdisk", "size_gb": 20.0}]
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"chunk_sze": 3}, "did you mean 'chunk_size'"),
+    ({"kv_events": {"endpont": "x"}}, "did you mean 'endpoint'"),
+    ({"l1_size_gb": "-1GB"}, "l1_size_gb"),
+    ({"l1_size_gb": "1.5XB"}, "unknown size unit"),
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"chunk_size": "many"}, "chunk_size"),
+    ({"eviction_policy": "MRU"}, "LRU, ARC, S3FIFO"),
+    ({"hash_algorithm": "md5"}, "sha256_cbor"),
+    ({"save_unfull_chunk": "maybe"}, "boolean"),
+])
+def test_errors_name_the_key(data, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        build_config(data)
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    f = tmp_path / "list.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(f, environ={})
+
+
+def test_admin_token_is_secret():
+    cfg = load_config(environ={"KVTIER_ADMIN_TOKEN": "hunter2"})
+    assert cfg.server.admin_token.get_secret_value() == "hunter2"
+    assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg.model_dump())

@@ -1,0 +1,115 @@
+"""Prefix hashes reproduce vLLM's block hashes (reference events-and-hashing.md §2.4)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvtier.errors import ConfigError, InputError
+from kvtier.hashing import ALGORITHMS, as_token_array, event_id, prefix_hashes, root_hash
+
+TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]
+
+# (seed, algorithm) -> (block0 event id, block1 event id), from §2.4
+VECTORS = {
+    ("0", "sha256"): (10362225831949560093, 12472515041799373675),
+    ("0", "sha256_cbor"): (2164874634404590027, 17270480062156288726),
+    ("0", "xxhash"): (5138823041740264343, 1324190186712315504),
+    ("0", "xxhash_cbor"): (1560721706249274670, 16652244415917022755),
+    ("42", "sha256"): (649359390096368487, 14757019014570657544),
+    ("42", "sha256_cbor"): (5988051177307384287, 11214766589215907092),
+    ("42", "xxhash"): (2767512630621280259, 4018757380743825132),
+    ("42", "xxhash_cbor"): (8335022083850143378, 14438435007848620520),
+    ("vllm-none-hash", "sha256"): (1882140585328457242, 15284023028817948126),
+    ("vllm-none-hash", "sha256_cbor"): (9561501211280363793, 15292913576410714033),
+}
+
+
+@pytest.mark.parametrize("seed,algorithm", sorted(VECTORS))
+def test_event_ids_match_vllm(seed, algorithm):
+    got = [event_id(h) for h in prefix_hashes(TOKENS, 4, algorithm, seed)]
+    assert tuple(got) == VECTORS[(seed, algorithm)]
+
+
+def test_full_digests_and_root_hashes():
+    assert root_hash("sha256_cbor", "0").hex() == "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
+    assert root_hash("xxhash", "0").hex() == "6fb31cc38bba6066183f7f2104b9c051"
+    assert root_hash("xxhash_cbor", "0").hex() == "1ebe36576dcb573f26b99533a20aaeca"
+    cbor = prefix_hashes(TOKENS, 4, "sha256_cbor", "0")
+    assert [h.hex() for h in cbor] == [
+        "c9d58ba695280d69b243e1e0df813136ca9196b286fb1a021e0b2e028ef071cb",
+        "24125b23e68883b5c2141db2959d48433fe6bde2f26bd914efad121d154ab2d6"]
+    pick = prefix_hashes(TOKENS, 4, "sha256", "0")
+    assert [h.hex() for h in pick] == [
+        "762b2e7e1520febd3a0aedb7358e8602facf3924440e18538fce057e23bae91d",
+        "9e62b5a7ec298f33cb4c7d9e00b659874bb2432d23ad6879ad1746592a2b036b"]
+
+
+def test_legacy_64bit_chain():
+    assert int.from_bytes(root_hash("sha256_cbor_64bit", "0"), "big") == 17921330210090130494
+    got = [event_id(h) for h in prefix_hashes(TOKENS, 4, "sha256_cbor_64bit", "0")]
+    assert got == [795349079050919324, 1097524857542371387]
+
+
+@pytest.mark.parametrize("algorithm", ["sha256_cbor", "xxhash_cbor"])
+def test_fast_cbor_path_equals_cbor2(algorithm):
+    """The vectorised token encoder must equal cbor2 for every integer width."""
+    import hashlib
+
+    import cbor2
+    import xxhash
+    rng = np.random.default_rng(0)
+    tokens = np.concatenate([rng.integers(0, 24, 50), rng.integers(24, 256, 50), rng.integers(256, 65536, 50),
+                             rng.integers(65536, 2**32, 50), rng.integers(2**32, 2**40, 56)])
+    rng.shuffle(tokens)
+    h = hashlib.sha256 if algorithm == "sha256_cbor" else None
+    parent = root_hash(algorithm, "s")
+    expected = []
+    for i in range(0, 256, 32):
+        data = cbor2.dumps((parent, tuple(int(t) for t in tokens[i:i + 32]), None), canonical=True)
+        parent = h(data).digest() if h else xxhash.xxh3_128_digest(data)
+        expected.append(parent)
+    assert prefix_hashes(tokens, 32, algorithm, "s") == expected
+
+
+def test_chunking_partial_and_extra_keys():
+    tokens = list(range(10))
+    assert len(prefix_hashes(tokens, 4)) == 2
+    with_tail = prefix_hashes(tokens, 4, include_partial=True)
+    assert len(with_tail) == 3 and with_tail[:2] == prefix_hashes(tokens, 4)
+    salted = prefix_hashes(tokens, 4, extra_keys=[("salt",), None])
+    assert salted[0] != prefix_hashes(tokens, 4)[0]
+    # chaining: the second chunk depends on the first
+    assert prefix_hashes([9, 9, 9, 9] + tokens[4:8], 4)[1] != prefix_hashes(tokens, 4)[1]
+    assert prefix_hashes(tokens[4:8], 4, parent=prefix_hashes(tokens, 4)[0]) == prefix_hashes(tokens, 4)[1:]
+
+
+@pytest.mark.parametrize("bad", [[[1, 2], [3, 4]], [1.5, 2.0], [-1, 2], "abc", np.array([True, False]),
+                                 np.array([1.0, 2.0]), np.zeros((2, 2), np.int64)])
+def test_bad_tokens_rejected(bad):
+    with pytest.raises(InputError):
+        as_token_array(bad)
+
+
+def test_bad_chunk_size_and_algorithm():
+    for size in (0, -4, 2.5):
+        with pytest.raises(InputError, match="chunk_size"):
+            prefix_hashes([1, 2, 3], size)
+    with pytest.raises(ConfigError, match="sha256_cbor"):
+        prefix_hashes([1, 2, 3], 1, algorithm="md5")
+
+
+def test_same_hashes_in_other_processes_regardless_of_pythonhashseed():
+    code = ("from kvtier.hashing import prefix_hashes, ALGORITHMS;"
+            "print([h.hex() for a in ALGORITHMS for h in prefix_hashes(list(range(64)), 16, a)])")
+    outputs = set()
+    for seed in (None, "0", "12345"):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        if seed is not None:
+            env["PYTHONHASHSEED"] = seed
+        outputs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                   check=True).stdout)
+    here = str([h.hex() for a in ALGORITHMS for h in prefix_hashes(list(range(64)), 16, a)]) + "\n"
+    assert outputs == {here}

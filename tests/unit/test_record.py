@@ -1,0 +1,73 @@
+"""Chunk records, keys and layouts."""
+
+import numpy as np
+import pytest
+
+from kvtier.errors import CorruptRecordError, InputError
+from kvtier.keys import ChunkKey, namespace_of, parse_name
+from kvtier.layout import KVLayout
+from kvtier.record import decode_record, encode_record
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=4)
+
+
+def _record(tokens=(1, 2, 3, 4)):
+    key = ChunkKey("m", LAYOUT.layout_id, "", b"\x01" * 32)
+    payload = np.arange(LAYOUT.chunk_bytes(len(tokens)) // 4, dtype=np.float32)
+    return key, payload, b"".join(bytes(p) for p in encode_record(key, LAYOUT, list(tokens), payload))
+
+
+def test_round_trip():
+    key, payload, buf = _record()
+    header, view = decode_record(buf, key, [1, 2, 3, 4])
+    assert bytes(view) == payload.tobytes() and header.key == key and header.layout == LAYOUT.to_dict()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "header"])
+def test_damaged_records_raise(damage):
+    key, _, buf = _record()
+    buf = bytearray(buf)
+    if damage == "truncate":
+        buf = buf[:-10]
+    elif damage == "flip":
+        buf[-1] ^= 0xFF
+    elif damage == "magic":
+        buf[0:4] = b"XXXX"
+    else:
+        buf[12] ^= 0xFF
+    with pytest.raises(CorruptRecordError):
+        decode_record(bytes(buf), key)
+
+
+def test_wrong_key_or_tokens_is_corrupt():
+    key, _, buf = _record()
+    with pytest.raises(CorruptRecordError, match="another key"):
+        decode_record(buf, ChunkKey("other", key.layout_id, "", key.prefix_hash))
+    with pytest.raises(CorruptRecordError, match="token ids"):
+        decode_record(buf, key, [1, 2, 3, 5])
+
+
+def test_layout_ids_separate_dtypes_and_tp():
+    ids = {KVLayout(2, 3, 4, d).layout_id for d in ("float32", "bfloat16", "float8_e4m3fn")}
+    ids |= {KVLayout(2, 3, 4, "float32", 2, r).layout_id for r in (0, 1)}
+    assert len(ids) == 5
+    assert KVLayout(30, 3, 64).chunk_bytes(256) == 11_796_480  # 11.25 MiB
+
+
+def test_layout_validation():
+    with pytest.raises(InputError, match="shape"):
+        LAYOUT.validate_kv(np.zeros((2, 2, 5, 3, 4), np.float32), 4)
+    with pytest.raises(InputError, match="dtype"):
+        LAYOUT.validate_kv(np.zeros((2, 2, 4, 3, 4), np.float64), 4)
+    with pytest.raises(InputError):
+        KVLayout(0, 3, 4)
+    with pytest.raises(InputError, match="dtype"):
+        KVLayout(1, 1, 1, "int4")
+
+
+def test_key_names_are_hex_and_namespaced():
+    key = ChunkKey("a/model:with weird chars", "abc", namespace_of("lora1", "salt"), b"\xab" * 16)
+    name = key.name()
+    assert all(c in "0123456789abcdef-" for c in name)
+    assert parse_name(name) == (key.scope, key.prefix_hash)
+    assert ChunkKey("a/model:with weird chars", "abc", "", b"\xab" * 16).name() != name
