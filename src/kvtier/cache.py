@@ -51,6 +51,7 @@ class StoreTicket:
     """Slots reserved by ``begin_store``; invisible until ``commit_store``."""
 
     tokens: np.ndarray
+    refs: list[ChunkRef]
     slots: list[Slot] = field(default_factory=list)
 
 
@@ -111,8 +112,8 @@ class Tiers:
     def close(self, timeout_s: float = 10.0) -> bool:
         """Finish queued L2 writes (bounded), close adapters, the publisher and L1's memory."""
         done = self.l2.close(timeout_s)
-        if self.events is not None:
-            self.events.close()
+        if self.events is not None and self.events.publisher is not None:
+            self.events.publisher.close()
         self.l1.close()
         return done
 
@@ -188,7 +189,7 @@ class KVCache:
         """Reserve L1 slots for the chunks of ``tokens`` not yet stored (stops at the first chunk that
         cannot get space). The slots are invisible until ``commit_store``."""
         arr, refs = self.chunk_refs(tokens, namespace)
-        ticket = StoreTicket(arr)
+        ticket = StoreTicket(arr, refs)
         for ref in refs:
             if self.l1.contains(ref.key):
                 continue
@@ -210,11 +211,12 @@ class KVCache:
         for slot in ticket.slots:
             self.l1.commit(slot.ref.key)
         self.metrics.inc("kvtier_store_chunks_total", len(ticket.slots))
+        hashes = [r.key.prefix_hash for r in ticket.refs]
         for run in _runs(ticket.slots):
             first, last = run[0].ref, run[-1].ref
             prefix = ticket.tokens[: last.end]
             if self.tiers.events is not None:
-                self.tiers.events.stored(prefix, first.index, len(run), "CPU")
+                self.tiers.events.stored(prefix, first.index, len(run), "CPU", chunk_hashes=hashes)
             items = []
             for slot in run:
                 pinned = self.l1.acquire(slot.ref.key)  # keep the bytes until the L2 write is done
@@ -222,7 +224,7 @@ class KVCache:
                     break
                 items.append(WriteItem(slot.ref.key, self.layout,
                                        ticket.tokens[slot.ref.start:slot.ref.end].tolist(), pinned[0]))
-            self.l2.write_async(prefix, first.index, items, self.l1.release)
+            self.l2.write_async(prefix, first.index, items, self.l1.release, hashes[: last.index + 1])
         self.tiers.refresh_gauges()
         return len(ticket.slots)
 
@@ -263,7 +265,7 @@ class KVCache:
         while n < len(refs) and self.l1.contains(refs[n].key):
             n += 1
         if n < len(refs) and self.l2.adapters:
-            n += self._promote(arr, refs[n:])
+            n += self._promote(arr, refs, n)
         ticket = RetrieveTicket()
         # acquire tail first so the head ends up most recently used: tails are evicted before heads
         for ref in reversed(refs[:n]):
@@ -278,8 +280,9 @@ class KVCache:
         self.metrics.inc("kvtier_retrieve_chunks_total", len(ticket.slots))
         return ticket
 
-    def _promote(self, arr: np.ndarray, refs: list[ChunkRef]) -> int:
-        """Copy the leading L2 hits among ``refs`` into L1; returns how many are now in L1."""
+    def _promote(self, arr: np.ndarray, all_refs: list[ChunkRef], start: int) -> int:
+        """Copy the leading L2 hits among ``all_refs[start:]`` into L1; returns how many are now in L1."""
+        refs = all_refs[start:]
         payloads = self.l2.read([r.key for r in refs], [arr[r.start:r.end].tolist() for r in refs])
         count = promoted = 0
         for ref, payload in zip(refs, payloads):
@@ -295,7 +298,8 @@ class KVCache:
         if promoted:
             self.metrics.inc("kvtier_l2_promoted_chunks_total", promoted)
             if self.tiers.events is not None:
-                self.tiers.events.stored(arr[: refs[count - 1].end], refs[0].index, count, "CPU")
+                self.tiers.events.stored(arr[: refs[count - 1].end], refs[0].index, count, "CPU",
+                                         chunk_hashes=[r.key.prefix_hash for r in all_refs[: start + count]])
         return count
 
     def end_retrieve(self, ticket: RetrieveTicket) -> None:

@@ -41,6 +41,7 @@ class _WriteBatch:
     first_chunk: int
     items: list[WriteItem]
     release: Callable[[ChunkKey], None]
+    chunk_hashes: list[bytes] | None  # prefix hashes from chunk 0 to the batch's end, for events
 
 
 class L2Tier:
@@ -138,7 +139,7 @@ class L2Tier:
 
     # ---- writes ------------------------------------------------------------------------
     def write_async(self, tokens, first_chunk: int, items: list[WriteItem],
-                    release: Callable[[ChunkKey], None]) -> int:
+                    release: Callable[[ChunkKey], None], chunk_hashes: list[bytes] | None = None) -> int:
         """Queue ``items`` (consecutive chunks from ``first_chunk``) for write-through to every adapter.
 
         Items that do not fit in the queue are dropped (``kvtier_l2_write_dropped_total``) and
@@ -152,7 +153,7 @@ class L2Tier:
             room = 0 if self._closed else max(0, self.queue_chunks - self._pending)
             queued, dropped = items[:room], items[room:]
             if queued:
-                self._queue.append(_WriteBatch(tokens, first_chunk, queued, release))
+                self._queue.append(_WriteBatch(tokens, first_chunk, queued, release, chunk_hashes))
                 self._pending += len(queued)
                 self._cond.notify_all()
         if dropped:
@@ -200,7 +201,8 @@ class L2Tier:
                 # batch.tokens ends where the last item ends; cut it where the run ends
                 start = len(batch.tokens) - sum(len(i.token_ids) for i in batch.items)
                 end = start + sum(len(i.token_ids) for i in batch.items[:run])
-                self.events.stored(batch.tokens[:end], batch.first_chunk, run, "STORAGE")
+                self.events.stored(batch.tokens[:end], batch.first_chunk, run, "STORAGE",
+                                   chunk_hashes=batch.chunk_hashes)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write is done. Returns False on timeout."""

@@ -1,0 +1,88 @@
+"""``kvtier events subscribe``: print KV cache event batches from kvtier, vLLM or SGLang publishers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+
+def format_event(ev) -> str:
+    """One event in the seed's text form, e.g. ``BlockStored(block_hashes=[...], ..., medium='CPU')``."""
+    if isinstance(ev, BlockStored):
+        text = (f"BlockStored(block_hashes={ev.block_hashes!r}, parent_block_hash={ev.parent_block_hash!r}, "
+                f"token_ids={ev.token_ids!r}, block_size={ev.block_size!r}, lora_id={ev.lora_id!r}, "
+                f"medium={ev.medium!r}")
+        return text + (f", lora_name={ev.lora_name!r})" if ev.lora_name is not None else ")")
+    if isinstance(ev, BlockRemoved):
+        return f"BlockRemoved(block_hashes={ev.block_hashes!r}, medium={ev.medium!r})"
+    if isinstance(ev, AllBlocksCleared):
+        return "AllBlocksCleared()"
+    return repr(ev)
+
+
+def format_batch(batch: EventBatch) -> str:
+    """``Received event batch at <ts>:`` then one ``- <event>`` line per event."""
+    return "\n".join([f"Received event batch at {batch.ts}:"] + [f"- {format_event(e)}" for e in batch.events])
+
+
+def _jsonable(value):
+    return value.hex() if isinstance(value, (bytes, bytearray)) else value
+
+
+def batch_json(seq: int, batch: EventBatch) -> str:
+    """One JSON object: ``{"seq", "ts", "data_parallel_rank", "events": [{"type": ..., field: value}]}``."""
+    events = []
+    for ev in batch.events:
+        obj = {"type": type(ev).__name__}
+        for name in ev.__struct_fields__:
+            value = getattr(ev, name)
+            if isinstance(value, list):
+                value = [_jsonable(v) for v in value]
+            obj[name] = _jsonable(value)
+        events.append(obj)
+    return json.dumps({"seq": seq, "ts": batch.ts, "data_parallel_rank": batch.data_parallel_rank,
+                       "events": events})
+
+
+@click.group()
+def events() -> None:
+    """KV cache events (vLLM-compatible BlockStored / BlockRemoved / AllBlocksCleared)."""
+
+
+@events.command()
+@click.option("--endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="publisher PUB address")
+@click.option("--replay-endpoint", default=None, help="publisher replay ROUTER address (recovers missed batches)")
+@click.option("--topic", default="", help="only this topic (default: every topic)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per batch")
+@click.option("--max-batches", type=click.IntRange(min=1), default=None, help="exit after N batches")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None,
+              help="exit after S seconds without a batch")
+@click.option("--from-seq", type=click.IntRange(min=0), default=None,
+              help="first replay every buffered batch from this seq (needs --replay-endpoint)")
+def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_s, from_seq) -> None:
+    """Print event batches as they arrive; missed batches are replayed, lost ones reported on stderr."""
+    from kvtier.events.subscriber import Subscriber
+
+    def on_gap(gap):
+        click.echo(f"! missed batches {gap.first_missing}..{gap.last_missing}: {gap.reason}", err=True)
+
+    count = 0
+    with Subscriber(endpoint, replay_endpoint, topic, start_seq=from_seq, on_gap=on_gap) as sub:
+        try:
+            for seq, batch in sub.iter(timeout_s):
+                click.echo(batch_json(seq, batch) if as_json else format_batch(batch))
+                sys.stdout.flush()
+                count += 1
+                if max_batches is not None and count >= max_batches:
+                    break
+        except KeyboardInterrupt:
+            pass
+        s = sub.stats
+        skipped = s.wrong_topic + s.bad_seq + s.bad_payload + s.bad_frames
+        if skipped:
+            click.echo(f"! skipped {skipped} bad frame(s): wrong topic {s.wrong_topic}, bad seq {s.bad_seq}, "
+                       f"bad payload {s.bad_payload}, bad frame count {s.bad_frames}", err=True)

@@ -1,0 +1,304 @@
+"""Subscribe to KV cache events from kvtier, vLLM or SGLang, recovering missed batches through replay.
+
+Live batches arrive on a SUB socket; a jump in the sequence number means batches were missed (PUB drops
+silently past its high-water mark or during reconnects). They are asked for on the publisher's replay ROUTER
+through a DEALER (``[b"", start_seq]``; a DEALER, unlike REQ, receives every streamed reply), and delivered in
+order before the live batch. Batches the publisher no longer buffers are reported as a ``Gap`` (to ``on_gap``,
+``Subscriber.gaps`` and ``stats.missed_batches``): the consumer must resync (e.g. drop its index).
+Reference: events-and-hashing.md §1.1 (replay layouts of vLLM <= 0.25 and >= 0.26 are both read) and §7.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvtier.errors import KVTierError
+from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, EventBatch, decode_batch
+from kvtier.events.publisher import END_SEQ
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Batches ``first_missing..last_missing`` (inclusive seqs) are lost for good; ``reason`` says why."""
+
+    first_missing: int
+    last_missing: int
+    reason: str
+
+    @property
+    def num_batches(self) -> int:
+        return self.last_missing - self.first_missing + 1
+
+
+@dataclass
+class SubscriberStats:
+    """Counts of what the subscriber received, recovered, skipped and lost."""
+
+    received: int = 0  # live batches delivered
+    replayed: int = 0  # batches delivered from replay
+    wrong_topic: int = 0
+    bad_seq: int = 0  # sequence frame not 8 bytes
+    bad_payload: int = 0  # not a decodable event batch
+    bad_frames: int = 0  # wrong number of frames
+    duplicates: int = 0  # live batches already delivered through replay
+    restarts: int = 0  # the publisher's sequence went backwards (it restarted)
+    missed_batches: int = 0  # lost for good (see gaps)
+    dropped_by_hook: int = 0  # fault injection: drop_next()
+    gaps: list = field(default_factory=list)
+
+
+def _default_on_gap(gap: Gap) -> None:
+    log.warning("KV events: missed batches %d..%d (%d): %s", gap.first_missing, gap.last_missing,
+                gap.num_batches, gap.reason)
+
+
+class Subscriber:
+    """Receives ``(seq, EventBatch)`` in sequence order.
+
+    Args:
+        endpoint: the publisher's PUB address (connected to; ``bind=True`` binds instead, llm-d style).
+        replay_endpoint: the publisher's replay ROUTER, or None (gaps are then reported, not recovered).
+        topic: frame-0 topic to accept ("" accepts every topic).
+        start_seq: replay from this seq first (a late subscriber catching up); None starts with live traffic.
+        on_gap: called with each ``Gap``; default logs a warning.
+        replay_timeout_s: how long one replay request may take before its range is reported as a gap.
+        raw_hashes: keep hashes as sent instead of normalising to uint64 ints.
+
+    Raises:
+        KVTierError: an endpoint is malformed (from the constructor).
+
+    Not thread-safe: use from one thread. ``close()`` releases the sockets.
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", *,
+                 start_seq: int | None = None, on_gap=None, replay_timeout_s: float = 2.0,
+                 raw_hashes: bool = False, bind: bool = False) -> None:
+        self.topic = topic.encode()
+        self.replay_endpoint = replay_endpoint
+        self.on_gap = on_gap or _default_on_gap
+        self.replay_timeout_s = replay_timeout_s
+        self.raw_hashes = raw_hashes
+        self.stats = SubscriberStats()
+        self._dealer = None
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        try:
+            (self._sub.bind if bind else self._sub.connect)(endpoint)
+            if replay_endpoint:
+                self._open_dealer()
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            raise KVTierError(f"cannot open KV event subscriber on {endpoint!r} (replay {replay_endpoint!r}): "
+                              f"{exc.strerror}; use an address like tcp://127.0.0.1:5557") from None
+        self._ready: collections.deque = collections.deque()
+        self._last: int | None = None  # highest seq delivered (or given up on)
+        self._live_last: int | None = None  # highest seq seen on the live socket
+        self._start_seq = start_seq
+        self._drop = 0
+
+    @property
+    def gaps(self) -> list[Gap]:
+        return self.stats.gaps
+
+    def drop_next(self, num_frames: int) -> None:
+        """Fault injection: discard the next ``num_frames`` live messages, as a lossy network would."""
+        self._drop += num_frames
+
+    # ------------------------------------------------------------------ receiving
+    def recv(self, timeout_s: float | None = None) -> tuple[int, EventBatch] | None:
+        """Next batch in order, or None when nothing arrived within ``timeout_s`` (None: wait forever)."""
+        if self._start_seq is not None:
+            start, self._start_seq = self._start_seq, None
+            self._recover(start, None)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._ready:
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sub.poll(wait_ms):
+                return None
+            self._on_live(self._sub.recv_multipart())
+        return self._ready.popleft()
+
+    def iter(self, timeout_s: float | None = None):
+        """Yield ``(seq, EventBatch)`` until ``timeout_s`` passes without a batch (None: forever)."""
+        while (item := self.recv(timeout_s)) is not None:
+            yield item
+
+    __iter__ = iter
+
+    def _decode(self, payload: bytes) -> EventBatch | None:
+        try:
+            return decode_batch(payload, raw_hashes=self.raw_hashes)
+        except DecodeError as exc:
+            self.stats.bad_payload += 1
+            log.warning("KV events: skipping an undecodable batch: %s", exc)
+            return None
+
+    def _on_live(self, frames: list[bytes]) -> None:
+        if self._drop:
+            self._drop -= 1
+            self.stats.dropped_by_hook += 1
+            return
+        if len(frames) != 3:
+            self.stats.bad_frames += 1
+            return
+        topic, seq8, payload = frames
+        if self.topic and topic != self.topic:  # ZMQ filters by prefix only
+            self.stats.wrong_topic += 1
+            return
+        if len(seq8) != 8:
+            self.stats.bad_seq += 1
+            return
+        seq = int.from_bytes(seq8, "big")
+        if self._live_last is not None and seq <= self._live_last:
+            self.stats.restarts += 1
+            log.warning("KV events: sequence went back from %d to %d; the publisher restarted", self._live_last, seq)
+            self._last = -1
+        self._live_last = seq
+        if self._last is not None and seq <= self._last:
+            self.stats.duplicates += 1
+            return
+        if self._last is not None and seq > self._last + 1:
+            self._recover(self._last + 1, seq - 1)
+        self._last = seq
+        batch = self._decode(payload)
+        if batch is not None:
+            self.stats.received += 1
+            self._ready.append((seq, batch))
+
+    # ------------------------------------------------------------------ replay
+    def _gap(self, first: int, last: int, reason: str) -> None:
+        gap = Gap(first, last, reason)
+        self.stats.gaps.append(gap)
+        self.stats.missed_batches += gap.num_batches
+        self.on_gap(gap)
+
+    def _open_dealer(self) -> None:
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.RCVHWM, 0)
+        self._dealer.connect(self.replay_endpoint)
+
+    def _replay(self, first: int, last: int | None) -> list[tuple[int, bytes]] | None:
+        """Ask the ROUTER for seqs >= first; return (seq, payload) in [first, last], or None on timeout."""
+        if self._dealer is None:
+            self._open_dealer()
+        self._dealer.send_multipart((b"", first.to_bytes(8, "big")))
+        got: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self.replay_timeout_s
+        while True:
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._dealer.poll(wait_ms):
+                self._dealer.close()  # late replies must not answer the next request
+                self._dealer = None
+                return None
+            frames = self._dealer.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3:  # vLLM >= 0.26: topic, seq, payload
+                _, seq8, payload = frames
+            elif len(frames) == 2:  # vLLM <= 0.25: seq, payload
+                seq8, payload = frames
+            else:
+                self.stats.bad_frames += 1
+                continue
+            if seq8 == END_SEQ:
+                return got
+            if len(seq8) != 8:
+                self.stats.bad_seq += 1
+                continue
+            seq = int.from_bytes(seq8, "big")
+            if seq >= first and (last is None or seq <= last):
+                got.append((seq, payload))
+
+    def _recover(self, first: int, last: int | None) -> None:
+        """Deliver seqs first..last from replay in order; report what the publisher no longer has."""
+        if not self.replay_endpoint:
+            if last is not None:
+                self._gap(first, last, "no replay endpoint to recover them from")
+            return
+        got = self._replay(first, last)
+        if got is None:
+            if last is not None:
+                self._gap(first, last, f"replay did not answer within {self.replay_timeout_s} s")
+            return
+        expected = first
+        for seq, payload in sorted(got):
+            if seq < expected:
+                continue
+            if seq > expected:
+                self._gap(expected, seq - 1, "no longer in the publisher's replay buffer")
+            expected = seq + 1
+            batch = self._decode(payload)
+            if batch is not None:
+                self.stats.replayed += 1
+                self._ready.append((seq, batch))
+        if last is not None and expected <= last:
+            self._gap(expected, last, "no longer in the publisher's replay buffer")
+        self._last = (expected - 1) if last is None else last
+
+    def close(self) -> None:
+        """Close the sockets. Idempotent."""
+        self._ctx.destroy(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class BlockIndex:
+    """A reference-counting view of which blocks each medium holds, fed with event batches.
+
+    ``BlockStored`` adds one reference per (hash, medium), ``BlockRemoved`` takes one away, so a block stored
+    twice and removed once is still present; ``AllBlocksCleared`` empties the index. Hashes are used as given
+    (use the decoder's normalised uint64 ints to mix producers).
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[object, dict[str, int]] = {}
+        self.unknown_removals = 0  # removals of blocks never stored (or already gone)
+
+    def apply(self, batch: EventBatch) -> None:
+        """Apply every event of ``batch`` in order."""
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                for h in ev.block_hashes:
+                    per = self._refs.setdefault(h, {})
+                    per[ev.medium] = per.get(ev.medium, 0) + 1
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    per = self._refs.get(h)
+                    if not per or ev.medium not in per:
+                        self.unknown_removals += 1
+                        continue
+                    per[ev.medium] -= 1
+                    if per[ev.medium] == 0:
+                        del per[ev.medium]
+                        if not per:
+                            del self._refs[h]
+            elif isinstance(ev, AllBlocksCleared):
+                self._refs.clear()
+
+    def contains(self, block_hash, medium: str | None = None) -> bool:
+        """Whether ``block_hash`` is held (in ``medium``, or anywhere when None)."""
+        per = self._refs.get(block_hash)
+        return bool(per) and (medium is None or medium in per)
+
+    def mediums(self, block_hash) -> set[str]:
+        return set(self._refs.get(block_hash, ()))
+
+    def refcount(self, block_hash, medium: str) -> int:
+        return self._refs.get(block_hash, {}).get(medium, 0)
+
+    def __len__(self) -> int:
+        return len(self._refs)

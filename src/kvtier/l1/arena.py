@@ -1,0 +1,308 @@
+"""Arena: one contiguous host-memory region with a first-fit allocator.
+
+The region is an anonymous private ``mmap`` in-process, or a file under ``/dev/shm`` when a
+``shm_name`` is given, so other processes (engine clients of the server) can map the same bytes
+with ``Arena.attach``. Either way the kernel backs pages only when they are first written, so an
+8 GB arena costs no RSS until it is used.
+
+Allocator: free blocks are kept as a sorted list of offsets plus a dict offset -> size.
+``alloc`` is first fit, a scan over the free blocks in address order (O(f), f = number of free
+blocks, which stays small because neighbours coalesce); ``free`` finds both neighbours by bisection
+(O(log f)) and coalesces them; inserting into the sorted list is a C-level memmove (O(f), tiny).
+Offsets and sizes are multiples of ``ALIGN_BYTES`` (64, one cache line), so every block is aligned.
+
+Not thread-safe: ``L1Store`` serialises calls under its lock.
+
+We map ``/dev/shm`` files with ``os.open`` + ``mmap`` rather than
+``multiprocessing.shared_memory``: on Python 3.11 its resource tracker unlinks the segment when an
+*attaching* process exits, which would delete the server's L1 under it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import re
+import weakref
+
+from kvtier.errors import ConfigError, InputError, KVTierError
+
+ALIGN_BYTES = 64
+SHM_DIR = "/dev/shm"
+_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+
+def align_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN_BYTES``."""
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def shm_path(shm_name: str) -> str:
+    """Path of the shared-memory file for ``shm_name``; raises ConfigError for unsafe names."""
+    if not isinstance(shm_name, str) or not _SHM_NAME_RE.match(shm_name) or shm_name in (".", ".."):
+        raise ConfigError(
+            f"invalid shm_name {shm_name!r}: use 1-200 characters from A-Z a-z 0-9 _ . - "
+            f"(it becomes a file name under {SHM_DIR})"
+        )
+    return os.path.join(SHM_DIR, shm_name)
+
+
+def _unlink_if_creator(path: str, creator_pid: int, inode: int) -> None:
+    # Not in a forked child that inherited the finalizer, nor a newer file that replaced ours.
+    try:
+        if os.getpid() == creator_pid and os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _check_capacity(capacity_bytes: int) -> int:
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < ALIGN_BYTES:
+        raise ConfigError(f"arena capacity_bytes must be an int >= {ALIGN_BYTES}, got {capacity_bytes!r}")
+    return capacity_bytes
+
+
+class Arena:
+    """A contiguous region of ``capacity_bytes`` with a first-fit, coalescing allocator.
+
+    Args:
+        capacity_bytes: size of the region in bytes (int >= 64). The allocator manages the largest
+            multiple of 64 that fits.
+        shm_name: when given, back the region with the new file ``/dev/shm/<shm_name>`` (created
+            exclusively) so that other processes can ``Arena.attach`` it; None for anonymous memory.
+        replace: with ``shm_name``, unlink a stale file of that name first (e.g. left by a crashed
+            server) instead of raising.
+
+    Raises:
+        ConfigError: bad capacity or name; the shm file exists (and ``replace`` is False); not
+            enough free space in ``/dev/shm`` (writing past it would kill the process with SIGBUS).
+    """
+
+    def __init__(self, capacity_bytes: int, shm_name: str | None = None, *, replace: bool = False):
+        self.capacity_bytes = _check_capacity(capacity_bytes)
+        self.shm_name = shm_name
+        self._owner = True
+        self._attached = False
+        if shm_name is None:
+            self._mmap = mmap.mmap(-1, capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where THP is "madvise": fewer faults, TLB misses
+                self._mmap.madvise(mmap.MADV_HUGEPAGE)
+        else:
+            self._mmap, inode = self._create_shm(shm_name, capacity_bytes, replace)
+            # A creator that exits (or drops the arena) without unlink() must not leave the file behind.
+            self._finalizer = weakref.finalize(self, _unlink_if_creator, shm_path(shm_name), os.getpid(), inode)
+        self._buf = memoryview(self._mmap)
+        usable = capacity_bytes // ALIGN_BYTES * ALIGN_BYTES
+        self._free_offsets: list[int] = [0]
+        self._free_sizes: dict[int, int] = {0: usable}
+        self._used: dict[int, int] = {}
+        self._used_bytes = 0
+        self._closed = False
+
+    @staticmethod
+    def _create_shm(shm_name: str, capacity_bytes: int, replace: bool) -> tuple[mmap.mmap, int]:
+        path = shm_path(shm_name)
+        if replace:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        stat = os.statvfs(SHM_DIR)
+        free_bytes = stat.f_bavail * stat.f_frsize
+        if capacity_bytes > free_bytes:
+            raise ConfigError(
+                f"{SHM_DIR} has {free_bytes} bytes free but the L1 arena needs {capacity_bytes}: "
+                f"lower l1_size_gb or enlarge {SHM_DIR} (e.g. docker --shm-size)"
+            )
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise ConfigError(
+                f"shared-memory file {path} already exists: another kvtier server may be using it; "
+                f"pick another shm_name, or remove the file if it is stale"
+            ) from None
+        try:
+            os.ftruncate(fd, capacity_bytes)  # sparse: tmpfs allocates pages on first write
+            return mmap.mmap(fd, capacity_bytes, flags=mmap.MAP_SHARED), os.fstat(fd).st_ino
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def attach(cls, shm_name: str, capacity_bytes: int) -> Arena:
+        """Map an existing ``/dev/shm/<shm_name>`` read-write (in another process than its creator).
+
+        The attached arena has no allocator: ``view`` works, ``alloc``/``free`` raise KVTierError;
+        the creator decides offsets and passes them along (e.g. ``L1Store.offset``).
+
+        Raises:
+            ConfigError: bad name; file missing; file smaller than ``capacity_bytes``.
+        """
+        path = shm_path(shm_name)
+        _check_capacity(capacity_bytes)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise ConfigError(f"shared-memory file {path} does not exist: is the kvtier server running?") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < capacity_bytes:
+                raise ConfigError(f"{path} holds {size} bytes, fewer than the {capacity_bytes} asked for")
+            mapped = mmap.mmap(fd, capacity_bytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self = cls.__new__(cls)
+        self.capacity_bytes = capacity_bytes
+        self.shm_name = shm_name
+        self._owner = False
+        self._attached = True
+        self._mmap = mapped
+        self._buf = memoryview(mapped)
+        self._free_offsets, self._free_sizes, self._used, self._used_bytes = [], {}, {}, 0
+        self._closed = False
+        return self
+
+    # -- allocator -------------------------------------------------------------------------------
+
+    def _check_allocator(self) -> None:
+        if self._closed:
+            raise KVTierError("arena is closed")
+        if self._attached:
+            raise KVTierError("an attached arena cannot allocate: the creating process owns the allocator")
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a new block of at least ``nbytes`` (rounded up to 64), or None if no free block fits.
+
+        First fit in address order. Raises InputError when ``nbytes`` is not a positive int.
+        """
+        self._check_allocator()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InputError(f"alloc needs a positive int number of bytes, got {nbytes!r}")
+        size = align_up(nbytes)
+        sizes = self._free_sizes
+        for i, off in enumerate(self._free_offsets):
+            block = sizes[off]
+            if block < size:
+                continue
+            del sizes[off]
+            if block == size:
+                del self._free_offsets[i]
+            else:  # keep the tail free in place of the head: the list stays sorted
+                self._free_offsets[i] = off + size
+                sizes[off + size] = block - size
+            self._used[off] = size
+            self._used_bytes += size
+            return off
+        return None
+
+    def free(self, offset: int) -> int:
+        """Return the block at ``offset`` to the free list, merging free neighbours.
+
+        Returns the size in bytes of the free block now containing it (callers use it to tell
+        whether an allocation of some size can succeed). Raises InputError for an offset that is
+        not an allocated block (double free or a foreign offset).
+        """
+        self._check_allocator()
+        size = self._used.pop(offset, None)
+        if size is None:
+            raise InputError(f"free({offset}): not the offset of an allocated block (double free?)")
+        self._used_bytes -= size
+        offsets, sizes = self._free_offsets, self._free_sizes
+        i = bisect.bisect_left(offsets, offset)
+        start, end = offset, offset + size
+        if i < len(offsets) and offsets[i] == end:  # merge with the following free block
+            end += sizes.pop(end)
+            del offsets[i]
+        if i > 0 and offsets[i - 1] + sizes[offsets[i - 1]] == start:  # merge into the preceding one
+            start = offsets[i - 1]
+            sizes[start] = end - start
+        else:
+            offsets.insert(i, start)
+            sizes[start] = end - start
+        return end - start
+
+    def block_size(self, offset: int) -> int:
+        """Size in bytes (64-aligned) of the allocated block at ``offset``; InputError if none."""
+        try:
+            return self._used[offset]
+        except KeyError:
+            raise InputError(f"no allocated block at offset {offset}") from None
+
+    def largest_free_bytes(self) -> int:
+        """Size of the largest free block (O(f)); 0 when full."""
+        return max(self._free_sizes.values(), default=0)
+
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """(offset, size) of every free block in address order (for tests and diagnostics)."""
+        return [(off, self._free_sizes[off]) for off in self._free_offsets]
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in allocated blocks, including the round-up to 64."""
+        return self._used_bytes
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """Writable memoryview (format ``B``) of ``nbytes`` bytes at ``offset``; no copy.
+
+        Raises InputError when the range is not inside the arena, KVTierError when closed.
+        """
+        if self._closed:
+            raise KVTierError("arena is closed")
+        if (
+            isinstance(offset, bool) or isinstance(nbytes, bool)
+            or not isinstance(offset, int) or not isinstance(nbytes, int)
+            or offset < 0 or nbytes < 0 or offset + nbytes > self.capacity_bytes
+        ):
+            raise InputError(
+                f"view({offset!r}, {nbytes!r}) is outside the arena of {self.capacity_bytes} bytes"
+            )
+        return self._buf[offset : offset + nbytes]
+
+    def close(self) -> None:
+        """Unmap the region. Idempotent.
+
+        Views handed out keep the mapping alive until they are released (Python refuses to unmap
+        memory that is still exported); after ``close`` the arena itself refuses new calls.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # outstanding views: the mapping goes when the last one is garbage-collected
+
+    def unlink(self) -> None:
+        """Remove the ``/dev/shm`` file (no-op for anonymous arenas or if already gone).
+
+        Processes that mapped it keep their mapping; new ``attach`` calls fail. The creating arena
+        removes only the file it created (not a newer one of the same name), and also does so when
+        it is garbage-collected or the process exits without calling ``unlink``.
+        """
+        if self.shm_name is None:
+            return
+        if self._owner:
+            self._finalizer()  # unlinks our file (not a replacement) once; later calls do nothing
+            return
+        try:
+            os.unlink(shm_path(self.shm_name))
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> Arena:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        if self._owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        where = f"shm={self.shm_name!r}" if self.shm_name else "anonymous"
+        return f"Arena({self.capacity_bytes} bytes, {where}, used={self._used_bytes})"

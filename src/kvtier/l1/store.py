@@ -1,0 +1,300 @@
+"""L1Store: chunks in host memory under a byte budget, with pin counts and an eviction policy.
+
+Life of an entry::
+
+    reserve(key, nbytes) -> slot view   (pinned, invisible)  -> write the bytes ->
+    commit(key)                         (visible, unpinned, known to the policy)
+    acquire(key) -> (view, meta)        (pinned, counts an access)  -> read the bytes -> release(key)
+
+Eviction is synchronous and bounded: ``reserve`` evicts unpinned committed entries in policy order
+until a contiguous slot fits (fragmentation can need more than the byte count), and returns None
+("not stored") once nothing unpinned is left; it never waits. Pinned entries (reserved, or acquired
+and not yet released) are never evicted. ``remove`` of a pinned entry hides it at once and frees its
+slot at the last ``release``; until then its key cannot be reserved again.
+
+Thread-safe: one lock around every method. ``on_evict`` runs after the lock is released, so it
+may call back into the store. The bytes of a slot are read and written outside the lock; the pin
+is what keeps them in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import InputError
+from kvtier.l1.arena import Arena, align_up
+from kvtier.l1.policies import make_policy
+
+log = logging.getLogger(__name__)
+
+EvictCallback = Callable[[list[tuple[Hashable, Any]]], None]
+
+
+@dataclass(slots=True)
+class _Entry:
+    offset: int
+    nbytes: int
+    meta: Any
+    pins: int = 1  # the reservation pin, dropped by commit
+    committed: bool = False
+    removed: bool = False  # removed while pinned: freed by the last release
+
+
+class L1Store:
+    """Host-memory chunk store with a byte budget.
+
+    Args:
+        capacity_bytes: the budget; also the size of the arena (virtual memory, touched lazily).
+        policy: eviction policy name, "LRU", "ARC" or "S3FIFO" (ConfigError otherwise).
+        shm_name: back the arena with ``/dev/shm/<shm_name>`` so clients can attach it
+            (``Arena.attach(shm_name, capacity_bytes)``) and copy through ``offset(key)``.
+        replace_shm: unlink a stale ``/dev/shm/<shm_name>`` instead of refusing to start.
+
+    Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept
+    with the entry and handed back by ``acquire``/``meta``/``on_evict``.
+
+    Attributes:
+        arena: the ``Arena`` holding the bytes. shm_name: as given.
+        on_evict: None or a callable receiving ``[(key, meta), ...]`` of evicted entries, called
+            without the lock held after the ``reserve`` that evicted them. Exceptions it raises are
+            logged, not propagated (the reservation already succeeded).
+    """
+
+    def __init__(self, capacity_bytes: int, policy: str = "LRU", shm_name: str | None = None,
+                 *, replace_shm: bool = False):
+        self._policy = make_policy(policy)
+        self.policy_name = self._policy.name
+        self.arena = Arena(capacity_bytes, shm_name, replace=replace_shm)
+        self.shm_name = shm_name
+        self.on_evict: EvictCallback | None = None
+        self._lock = threading.Lock()
+        self._entries: dict[Hashable, _Entry] = {}
+        self._num_chunks = 0  # committed and not removed
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def reserve(self, key: Hashable, nbytes: int, meta: Any = None) -> memoryview | None:
+        """Allocate a pinned, invisible slot of ``nbytes`` bytes for ``key`` and return its view.
+
+        Evicts unpinned committed entries (policy order) as needed. Returns None, without waiting,
+        when the key is already present or reserved, when ``nbytes`` exceeds the capacity, or when
+        no slot can be freed. Mutates: the store; may evict (reported through ``on_evict``).
+
+        Raises InputError for an unhashable key or a non-positive / non-int ``nbytes``.
+        """
+        _check_key(key)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InputError(f"reserve needs a positive int number of bytes, got {nbytes!r}")
+        if align_up(nbytes) > self.arena.capacity_bytes // 64 * 64:
+            return None
+        evicted: list[tuple[Hashable, Any]] = []
+        with self._lock:
+            if key in self._entries:
+                return None
+            offset = self.arena.alloc(nbytes)
+            if offset is None:
+                offset = self._evict_for(nbytes, evicted)
+            if offset is not None:
+                self._entries[key] = _Entry(offset, nbytes, meta)
+                view = self.arena.view(offset, nbytes)
+            else:
+                view = None
+        self._report(evicted)
+        return view
+
+    def _evict_for(self, nbytes: int, evicted: list) -> int | None:
+        need = align_up(nbytes)
+        for victim in self._policy.victims():
+            entry = self._entries[victim]
+            if entry.pins:
+                continue  # being read: the policy rotates it and offers the next one
+            del self._entries[victim]
+            self._num_chunks -= 1
+            self._policy.remove(victim, evicted=True)
+            evicted.append((victim, entry.meta))
+            if self.arena.free(entry.offset) >= need:
+                return self.arena.alloc(nbytes)
+        return None
+
+    def commit(self, key: Hashable) -> None:
+        """Make a reserved entry visible, unpin it and hand it to the policy.
+
+        Raises InputError when ``key`` is not reserved (never reserved, already committed, aborted).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.committed:
+                raise InputError(f"commit({key!r}): no reservation for this key (reserve it first)")
+            entry.committed = True
+            entry.pins -= 1
+            self._num_chunks += 1
+            self._policy.insert(key)
+
+    def abort(self, key: Hashable) -> bool:
+        """Free a reserved (uncommitted) slot. Returns False when there is no reservation for ``key``.
+
+        Safe to call from error paths. The view returned by ``reserve`` must not be used after.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.committed:
+                return False
+            del self._entries[key]
+            self.arena.free(entry.offset)
+            return True
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def acquire(self, key: Hashable) -> tuple[memoryview, Any] | None:
+        """Pin a committed entry and count an access; returns (view of its bytes, meta) or None.
+
+        Every successful acquire needs one ``release(key)``.
+        """
+        with self._lock:
+            entry = self._visible(key)
+            if entry is None:
+                return None
+            entry.pins += 1
+            self._policy.access(key)
+            return self.arena.view(entry.offset, entry.nbytes), entry.meta
+
+    def release(self, key: Hashable) -> None:
+        """Drop one pin taken by ``acquire``; frees the slot if the entry was removed meanwhile.
+
+        Raises InputError when ``key`` holds no acquire pin.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.committed or entry.pins <= 0:
+                raise InputError(f"release({key!r}) without a matching acquire")
+            entry.pins -= 1
+            if entry.pins == 0 and entry.removed:
+                del self._entries[key]
+                self.arena.free(entry.offset)
+
+    def _visible(self, key: Hashable) -> _Entry | None:
+        entry = self._entries.get(key)
+        if entry is None or not entry.committed or entry.removed:
+            return None
+        return entry
+
+    def contains(self, key: Hashable) -> bool:
+        """True when ``key`` is committed and not removed. Does not count an access."""
+        with self._lock:
+            return self._visible(key) is not None
+
+    def meta(self, key: Hashable) -> Any:
+        """The meta of a committed entry, None when absent."""
+        with self._lock:
+            entry = self._visible(key)
+            return None if entry is None else entry.meta
+
+    def offset(self, key: Hashable) -> int | None:
+        """Arena offset of the slot of ``key`` (reserved or committed, not removed), None when absent.
+
+        For the shared-memory data plane: a client attached to the arena copies at this offset
+        while the server holds the pin (reserve or acquire).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None or entry.removed else entry.offset
+
+    def touch(self, keys: Iterable[Hashable]) -> int:
+        """Count an access to each committed key, in the given order; returns how many were present.
+
+        The cache passes a prefix's keys tail first, so the head ends up the most recently used.
+        """
+        touched = 0
+        with self._lock:
+            for key in keys:
+                if self._visible(key) is not None:
+                    self._policy.access(key)
+                    touched += 1
+        return touched
+
+    # -- removal ---------------------------------------------------------------------------------
+
+    def remove(self, key: Hashable) -> bool:
+        """Delete a committed entry; False when absent. Not reported through ``on_evict``.
+
+        A pinned entry disappears at once (contains/acquire miss) but its slot is freed at the last
+        ``release``; until then ``reserve`` of the same key returns None.
+        """
+        with self._lock:
+            return self._remove_locked(key)
+
+    def _remove_locked(self, key: Hashable) -> bool:
+        entry = self._visible(key)
+        if entry is None:
+            return False
+        self._policy.remove(key)
+        self._num_chunks -= 1
+        if entry.pins:
+            entry.removed = True
+        else:
+            del self._entries[key]
+            self.arena.free(entry.offset)
+        return True
+
+    def clear(self) -> list[Hashable]:
+        """Remove every committed entry (as ``remove``); returns their keys. Reservations stay."""
+        with self._lock:
+            keys = [k for k, e in self._entries.items() if e.committed and not e.removed]
+            for key in keys:
+                self._remove_locked(key)
+            return keys
+
+    def keys(self) -> list[Hashable]:
+        """Keys of the committed, visible entries (a snapshot, in no particular order)."""
+        with self._lock:
+            return [k for k, e in self._entries.items() if e.committed and not e.removed]
+
+    # -- sizes -----------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes allocated in the arena (committed, reserved and removed-but-pinned; 64-aligned)."""
+        with self._lock:
+            return self.arena.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The byte budget."""
+        return self.arena.capacity_bytes
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of committed, visible entries."""
+        with self._lock:
+            return self._num_chunks
+
+    def close(self) -> None:
+        """Unmap the arena and, when this store created a ``/dev/shm`` file, unlink it."""
+        with self._lock:
+            self._entries.clear()
+            self._num_chunks = 0
+            self.arena.close()
+            self.arena.unlink()
+
+    def _report(self, evicted: list[tuple[Hashable, Any]]) -> None:
+        callback = self.on_evict
+        if evicted and callback is not None:
+            try:
+                callback(evicted)
+            except Exception:
+                log.exception("L1 on_evict callback failed for %d evicted entries", len(evicted))
+
+    def __repr__(self) -> str:
+        return (f"L1Store({self.policy_name}, {self._num_chunks} chunks, "
+                f"{self.arena.used_bytes}/{self.capacity_bytes} bytes)")
+
+
+def _check_key(key: Hashable) -> None:
+    try:
+        hash(key)
+    except TypeError:
+        raise InputError(f"L1 keys must be hashable, got {type(key).__name__}") from None
