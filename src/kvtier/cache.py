@@ -208,7 +208,7 @@ class KVCache:
             for slot in ticket.slots:
                 self.l1.abort(slot.ref.key)
             return 0
-        for slot in ticket.slots:
+        for slot in reversed(ticket.slots):  # tail inserted first: the policy evicts tails before heads
             self.l1.commit(slot.ref.key)
         self.metrics.inc("kvtier_store_chunks_total", len(ticket.slots))
         hashes = [r.key.prefix_hash for r in ticket.refs]
@@ -219,7 +219,7 @@ class KVCache:
                 self.tiers.events.stored(prefix, first.index, len(run), "CPU", chunk_hashes=hashes)
             items = []
             for slot in run:
-                pinned = self.l1.acquire(slot.ref.key)  # keep the bytes until the L2 write is done
+                pinned = self.l1.acquire(slot.ref.key, count_access=False)  # keep the bytes until written
                 if pinned is None:
                     break
                 items.append(WriteItem(slot.ref.key, self.layout,

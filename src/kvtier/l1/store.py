@@ -149,8 +149,9 @@ class L1Store:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def acquire(self, key: Hashable) -> tuple[memoryview, Any] | None:
-        """Pin a committed entry and count an access; returns (view of its bytes, meta) or None.
+    def acquire(self, key: Hashable, count_access: bool = True) -> tuple[memoryview, Any] | None:
+        """Pin a committed entry and (unless ``count_access`` is False, e.g. for an internal L2 write)
+        count an access; returns (view of its bytes, meta) or None.
 
         Every successful acquire needs one ``release(key)``.
         """
@@ -159,7 +160,8 @@ class L1Store:
             if entry is None:
                 return None
             entry.pins += 1
-            self._policy.access(key)
+            if count_access:
+                self._policy.access(key)
             return self.arena.view(entry.offset, entry.nbytes), entry.meta
 
     def release(self, key: Hashable) -> None:
