@@ -174,7 +174,7 @@ def _from_lmcache(data: dict) -> dict:
     if disk:
         path = str(disk).removeprefix("file://")
         spec = {"type": "local_disk", "path": path}
-        if data.get("max_local_disk_size") is not None:
+        if data.get("max_local_disk_size"):  # LMCache's 0 means "no limit"
             spec["size_gb"] = parse_size(data["max_local_disk_size"])
         out["l2_adapters"] = [spec, *out.get("l2_adapters", [])]
     return out

@@ -94,6 +94,8 @@ def decode_record(buf, key: ChunkKey | None = None, token_ids: list[int] | None 
     header, offset = decode_header(buf)
     view = memoryview(buf).cast("B")
     payload = view[offset:]
+    if header.encoding != "raw":
+        raise CorruptRecordError(f"record payload encoding {header.encoding!r} is not one this kvtier reads ('raw')")
     if payload.nbytes != header.payload_bytes:
         raise CorruptRecordError(f"record payload is {payload.nbytes} bytes, header says {header.payload_bytes}")
     if xxhash.xxh3_64_intdigest(payload) != header.checksum:

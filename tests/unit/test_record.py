@@ -23,7 +23,7 @@ def test_round_trip():
     assert bytes(view) == payload.tobytes() and header.key == key and header.layout == LAYOUT.to_dict()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "header"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "header", "encoding"])
 def test_damaged_records_raise(damage):
     key, _, buf = _record()
     buf = bytearray(buf)
@@ -31,6 +31,9 @@ def test_damaged_records_raise(damage):
         buf = buf[:-10]
     elif damage == "flip":
         buf[-1] ^= 0xFF
+    elif damage == "encoding":
+        at = bytes(buf).index(b"raw")
+        buf[at + 2] = ord("v")
     elif damage == "magic":
         buf[0:4] = b"XXXX"
     else:

@@ -28,7 +28,7 @@ import time
 
 import zmq
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import KVTierError
 from kvtier.events.model import Encoder, Event, EventBatch
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,442 @@
+"""Local-disk L2 adapter: one file per record in a directory tree, published by atomic rename.
+
+The LMCache / NIXL backend names map onto it (see ``l2.base.ALIASES``): ``POSIX``; ``HF3FS`` (point
+``path`` at the mounted 3FS directory); ``GDS`` and ``GDS_MT`` (``direct_io``, and 8 threads for
+``GDS_MT``). There is no GPU-direct storage on a CPU host: O_DIRECT through page-aligned host buffers
+is the path to use where none exists.
+
+On-disk layout (the file holds exactly the bytes put: an encoded ``record``)::
+
+    <path>/<h0h1>/<h2h3>/.../<scope16hex>-<prefix hash hex>          a published record
+    <path>/<h0h1>/.../.<name>.<host8hex>.<pid>.<seq>.tmp             a write in flight
+
+``hNhN`` are successive 2-hex-character slices of the prefix-hash part of the name, ``shard_depth``
+levels (0: every file directly under ``path``). Several processes may share one directory: a name
+missing from this process's index is looked up on disk before it is called a miss.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import xxhash
+from pydantic import Field
+
+from kvtier.config import Bool, SizeGB
+from kvtier.errors import ConfigError, InputError, StorageError
+from kvtier.l2 import fileio
+from kvtier.l2.base import AdapterConfig, Buffer, L2Adapter, Usage
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"[0-9a-f]{16}-[0-9a-f]{8,128}")
+_TEMP_RE = re.compile(r"\.([0-9a-f]{16}-[0-9a-f]{8,128})\.([0-9a-f]{8})\.(\d+)\.(\d+)\.tmp")
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+_STALE_TEMP_SECONDS = 3600.0  # a temp file this old is a crashed write even if its pid looks alive
+_MAX_CACHED_BUFFER_BYTES = 64 << 20  # per-thread O_DIRECT write buffer kept for reuse up to this size
+_ADAPTER_WIDE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+class LocalDiskConfig(AdapterConfig):
+    """``{"type": "local_disk", "path": "/data/kv", "size_gb": "50GB", ...}``.
+
+    ``size_gb`` is the capacity (``parse_size``: ``"50GB"``, ``"512MiB"``, or a number of GB);
+    None means unbounded. ``shard_depth`` 0..4 levels of 2-hex-character directories.
+    """
+
+    path: str
+    size_gb: SizeGB | None = Field(None, gt=0)
+    direct_io: Bool = False
+    num_threads: int = Field(4, ge=1, le=256)  # parallel file I/O for batch put/get
+    shard_depth: int = Field(1, ge=0, le=4)
+    fsync: Bool = True
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return None if self.size_gb is None else round(self.size_gb * 10**9)
+
+
+class LocalDiskAdapter(L2Adapter):
+    """Records as files under ``config.path``; thread-safe; an LRU index of name -> bytes.
+
+    * ``put`` writes a temp file in the target directory, fsyncs it, ``os.replace``s it onto the name
+      and fsyncs the directory: a record is visible only when complete. A name already on disk is
+      not rewritten (records are addressed by their key) and reports True; usage is unchanged.
+      Per-item I/O errors (ENOSPC, EIO, ...) make that item False and are logged once per errno;
+      StorageError is raised only when the whole directory is unusable (gone, read-only, EACCES).
+    * ``get`` returns the whole file (``bytes``; with ``direct_io`` a ``memoryview`` over a
+      page-aligned buffer). A file deleted by hand reads as None and leaves the index.
+    * With ``size_gb`` set, a put evicts least recently used records (by put/get) until it fits and
+      reports them through ``on_evict``; a record larger than the capacity is not stored (False).
+    * The index is rebuilt from the files at construction and by ``list_names``; stale temp files of
+      crashed writers are deleted; files whose names are not ``<16 hex>-<hex>`` are ignored.
+
+    Raises:
+        ConfigError (construction): ``path`` cannot be created or written.
+        InputError: a name that is not ``ChunkKey.name()`` form (guards against path traversal).
+        StorageError: the directory became unusable, or the adapter is closed.
+    """
+
+    config_class = LocalDiskConfig
+
+    def __init__(self, config: LocalDiskConfig):
+        super().__init__(config)
+        self.root = os.path.abspath(os.path.expanduser(config.path))
+        self.capacity_bytes = config.capacity_bytes
+        self._depth = config.shard_depth
+        self._fsync = config.fsync
+        self._direct = config.direct_io and bool(fileio.O_DIRECT)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
+        self._used_bytes = 0
+        self._reserved_bytes = 0  # writes in flight, counted against the capacity
+        self._seq = itertools.count()
+        self._host = xxhash.xxh32_hexdigest(socket.gethostname().encode())
+        self._local = threading.local()
+        self._logged_errnos: set[int] = set()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix="kvtier-disk") \
+            if config.num_threads > 1 else None
+        self._check_writable()
+        if self._depth:  # first level up front: a lazily created shard costs two more journal commits per put
+            self._make_shard_dirs(*(os.path.join(self.root, f"{i:02x}") for i in range(256)))
+        self._scan()
+        with self._lock:
+            shrunk = self._evict_until(0)
+        if shrunk:
+            log.info("local_disk %s: evicted %d records to fit size_gb=%s", self.root, len(shrunk), config.size_gb)
+
+    # ---- contract -------------------------------------------------------------------------------
+    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        return self._map(self._put_one, [(self._path(name), name, parts) for name, parts in items])
+
+    def get(self, names: Sequence[str]) -> list[Buffer | None]:
+        return self._map(self._get_one, [(self._path(name), name) for name in names])
+
+    def contains(self, names: Sequence[str]) -> list[bool]:
+        out = []
+        for name in names:
+            path = self._path(name)
+            if name in self._index:
+                out.append(True)
+                continue
+            try:  # another process sharing the directory may have stored it
+                size = os.stat(path).st_size
+            except OSError:
+                out.append(False)
+                continue
+            with self._lock:
+                self._adopt(name, size)
+            out.append(True)
+        return out
+
+    def delete(self, names: Sequence[str]) -> int:
+        paths = [(self._path(name), name) for name in names]
+        count = 0
+        with self._lock:  # under the lock so a concurrent put of the same name is not unlinked
+            for path, name in paths:
+                known = self._forget(name)
+                count += self._unlink(path) or known
+        return count
+
+    def list_names(self) -> list[str]:
+        """Rescan the directory (adopting files written by other processes) and return every name."""
+        self._scan()
+        with self._lock:
+            return list(self._index)
+
+    def usage(self) -> Usage:
+        with self._lock:
+            return Usage(self._used_bytes, len(self._index), self.capacity_bytes)
+
+    def health(self) -> tuple[bool, str]:
+        if not os.path.isdir(self.root):
+            return False, f"directory {self.root} is missing"
+        if not os.access(self.root, os.W_OK):
+            return False, f"directory {self.root} is not writable"
+        return True, "ok"
+
+    def close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # ---- put ------------------------------------------------------------------------------------
+    def _put_one(self, path: str, name: str, parts: Sequence[Buffer]) -> bool:
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(v.nbytes for v in views)
+        try:
+            on_disk = os.stat(path).st_size
+        except FileNotFoundError:
+            on_disk = None
+        except OSError as exc:
+            return self._item_error("stat", path, exc, False)
+        with self._lock:
+            if on_disk is not None:
+                self._adopt(name, on_disk)
+                self._index.move_to_end(name)
+                return True
+            self._forget(name)  # deleted by hand since it was indexed
+            fits, evicted = self._reserve(size)
+        self._evicted(evicted)
+        if not fits:
+            return False
+        try:
+            self._write_file(path, name, views, size)
+        except OSError as exc:
+            with self._lock:
+                self._reserved_bytes -= size
+            return self._item_error("write", path, exc, False)
+        with self._lock:
+            self._reserved_bytes -= size
+            self._forget(name)  # a concurrent writer of the same name may have landed first
+            self._index[name] = size
+            self._used_bytes += size
+        return True
+
+    def _write_file(self, path: str, name: str, views: list[memoryview], size: int) -> None:
+        directory = os.path.dirname(path)
+        self._make_shard_dirs(directory)
+        tmp = os.path.join(directory, f".{name}.{self._host}.{os.getpid()}.{next(self._seq)}.tmp")
+        try:
+            self._with_direct_fallback(lambda: self._write_direct(tmp, views, size),
+                                       lambda: self._write_buffered(tmp, views))
+            os.replace(tmp, path)
+        except BaseException:
+            fileio.remove(tmp)
+            raise
+        if self._fsync:
+            fileio.fsync_dir(directory)
+
+    def _write_buffered(self, tmp: str, views: list[memoryview]) -> None:
+        # O_TRUNC, not O_EXCL: a refused O_DIRECT attempt may have created this (unique) temp name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fileio.write_all(fd, views)
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_direct(self, tmp: str, views: list[memoryview], size: int) -> None:
+        aligned = fileio.round_up(size)
+        buf = self._aligned_buffer(aligned)
+        offset = 0
+        for v in views:  # O_DIRECT cannot take the caller's unaligned buffers: one copy
+            buf[offset:offset + v.nbytes] = v
+            offset += v.nbytes
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fileio.O_DIRECT, 0o644)
+        try:
+            if aligned:
+                fileio.write_all(fd, [buf[:aligned]])
+            if aligned != size:
+                os.ftruncate(fd, size)  # drop the alignment padding
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _aligned_buffer(self, nbytes: int) -> memoryview:
+        if nbytes > _MAX_CACHED_BUFFER_BYTES:
+            return fileio.aligned(nbytes)
+        cached = getattr(self._local, "buf", None)
+        if cached is None or cached.nbytes < nbytes:
+            cached = self._local.buf = fileio.aligned(max(nbytes, fileio.ALIGN))
+        return cached
+
+    def _make_shard_dirs(self, *directories: str) -> None:
+        # mkdir level by level (never makedirs): a vanished root must fail, not be silently recreated
+        synced = set()
+        for directory in directories:
+            current = self.root
+            for part in os.path.relpath(directory, self.root).split(os.sep) if directory != self.root else ():
+                parent, current = current, os.path.join(current, part)
+                try:
+                    os.mkdir(current)
+                except FileExistsError:
+                    continue
+                synced.add(parent)
+        for parent in sorted(synced, key=len, reverse=True) if self._fsync else ():
+            fileio.fsync_dir(parent)
+
+    # ---- get ------------------------------------------------------------------------------------
+    def _get_one(self, path: str, name: str) -> Buffer | None:
+        try:
+            buf = self._with_direct_fallback(lambda: fileio.read_direct(path), lambda: fileio.read_buffered(path))
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(name)
+            return None
+        except OSError as exc:
+            return self._item_error("read", path, exc, None)
+        with self._lock:
+            self._adopt(name, memoryview(buf).nbytes)
+            self._index.move_to_end(name)
+        return buf
+
+    # ---- index (call with self._lock held) ---------------------------------------------------------
+    def _adopt(self, name: str, size: int) -> None:
+        if name not in self._index:
+            self._index[name] = size
+            self._used_bytes += size
+
+    def _forget(self, name: str) -> bool:
+        size = self._index.pop(name, None)
+        if size is None:
+            return False
+        self._used_bytes -= size
+        return True
+
+    def _reserve(self, size: int) -> tuple[bool, list[str]]:
+        if self.capacity_bytes is not None and size > self.capacity_bytes:
+            return False, []
+        evicted = self._evict_until(size)
+        if self.capacity_bytes is not None and self._used_bytes + self._reserved_bytes + size > self.capacity_bytes:
+            return False, evicted  # the rest is taken by writes in flight
+        self._reserved_bytes += size
+        return True, evicted
+
+    def _evict_until(self, size: int) -> list[str]:
+        evicted = []
+        cap = self.capacity_bytes
+        while cap is not None and self._index and self._used_bytes + self._reserved_bytes + size > cap:
+            name, nbytes = self._index.popitem(last=False)
+            self._used_bytes -= nbytes
+            self._unlink(self._path(name))
+            evicted.append(name)
+        return evicted
+
+    def _unlink(self, path: str) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            return self._item_error("delete", path, exc, False)
+
+    # ---- startup and rescan -----------------------------------------------------------------------
+    def _scan(self) -> None:
+        found: dict[str, tuple[int, float]] = {}
+        misplaced = 0
+        now = time.time()
+        for directory, depth, entry in self._walk(self.root, 0):
+            fname = entry.name
+            if _NAME_RE.fullmatch(fname):
+                if depth == self._depth and directory == os.path.dirname(self._path(fname)):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    found[fname] = (st.st_size, st.st_mtime)
+                else:
+                    misplaced += 1
+            elif (m := _TEMP_RE.fullmatch(fname)) and self._is_stale_temp(m, entry, now):
+                fileio.remove(entry.path)
+        if misplaced:
+            log.warning("local_disk %s: ignoring %d records stored under another shard_depth than %d; "
+                        "move or delete them", self.root, misplaced, self._depth)
+        with self._lock:
+            for name in [n for n in self._index if n not in found]:
+                self._forget(name)
+            for name, (size, _) in sorted(found.items(), key=lambda kv: kv[1][1]):  # oldest mtime = LRU
+                if name in self._index and self._index[name] != size:
+                    self._forget(name)
+                self._adopt(name, size)
+
+    def _walk(self, directory: str, depth: int):
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if depth < 4 and _SHARD_RE.fullmatch(entry.name):
+                    yield from self._walk(entry.path, depth + 1)
+            elif entry.is_file(follow_symlinks=False):
+                yield directory, depth, entry
+
+    def _is_stale_temp(self, m: re.Match, entry: os.DirEntry, now: float) -> bool:
+        try:
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return False
+        if age > _STALE_TEMP_SECONDS:
+            return True
+        return m.group(2) == self._host and not fileio.pid_alive(int(m.group(3)))
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _path(self, name: str) -> str:
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise InputError(f"L2 name {name!r} is not of the form ChunkKey.name() ('<16 hex>-<hex>'); "
+                             "only names from ChunkKey.name() may be stored")
+        digest = name[17:]
+        shards = [digest[2 * i:2 * i + 2] for i in range(self._depth)]
+        return os.path.join(self.root, *shards, name)
+
+    def _map(self, fn, args: list[tuple]) -> list:
+        if self._closed:
+            raise StorageError(f"local_disk adapter on {self.root} is closed")
+        if self._pool is None or len(args) < 2:
+            return [fn(*a) for a in args]
+        futures = [self._pool.submit(fn, *a) for a in args]
+        results, failure = [], None
+        for fut in futures:  # wait for every item before raising, so no write is left half-accounted
+            try:
+                results.append(fut.result())
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return results
+
+    def _item_error(self, op: str, path: str, exc: OSError, result):
+        if exc.errno in _ADAPTER_WIDE_ERRNOS or not os.path.isdir(self.root):
+            raise StorageError(f"local_disk {op} failed for the whole directory {self.root}: "
+                               f"{exc.strerror or exc}; check that it exists, is mounted and is writable") from None
+        if exc.errno not in self._logged_errnos:  # once per errno: a full disk must not flood the log
+            self._logged_errnos.add(exc.errno)
+            log.warning("local_disk %s failed on %s: %s (further errors of this kind are not logged)",
+                        op, path, exc.strerror or exc)
+        return result
+
+    def _with_direct_fallback(self, direct, buffered):
+        if self._direct:
+            try:
+                return direct()
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: this file system refuses O_DIRECT
+                    raise
+                self._disable_direct_io(exc)
+        return buffered()
+
+    def _disable_direct_io(self, exc: OSError) -> None:
+        if self._direct:
+            self._direct = False
+            log.warning("local_disk %s: the file system refuses O_DIRECT (%s); using buffered I/O instead",
+                        self.root, exc.strerror or exc)
+
+    def _check_writable(self) -> None:
+        # also probes O_DIRECT when asked for, so a refusing file system is reported at startup
+        probe = os.path.join(self.root, f".probe-{os.getpid()}-{threading.get_ident()}")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            self._with_direct_fallback(lambda: self._write_direct(probe, [memoryview(bytes(fileio.ALIGN))], fileio.ALIGN),
+                                       lambda: self._write_buffered(probe, [memoryview(b"kvtier")]))
+        except OSError as exc:
+            raise ConfigError(f"local_disk path {self.root!r} is not usable ({exc.strerror or exc}); "
+                              "give 'path' a directory kvtier can create and write, or fix its "
+                              "permissions or mount") from None
+        finally:
+            fileio.remove(probe)

@@ -1,0 +1,135 @@
+"""In-process memory L2 adapter: the reference implementation of the adapter contract.
+
+Useful as a fast L2 in tests and as the inner adapter of ``faulty``. Adapters built with the same
+``shared`` id in one process use one store (while any of them exists), which stands in for a
+server that outlives a restart of the cache or is shared by two caches in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from kvtier.config import SizeGB
+from kvtier.l2.base import AdapterConfig, Buffer, L2Adapter, Usage
+
+
+class MemoryConfig(AdapterConfig):
+    """``{"type": "memory", "size_gb": "1GB", "shared": "test-1"}``; no ``size_gb``: unbounded."""
+
+    size_gb: SizeGB | None = Field(None, gt=0)
+    shared: str | None = None  # adapters with the same id in one process share one store
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return None if self.size_gb is None else round(self.size_gb * 10**9)
+
+
+class _Store:
+    """Records (immutable bytes) in least-recently-used order, under one lock."""
+
+    def __init__(self, capacity_bytes: int | None):
+        self.capacity_bytes = capacity_bytes
+        self.lock = threading.Lock()
+        self.records: OrderedDict[str, bytes] = OrderedDict()
+        self.used_bytes = 0
+
+
+_SHARED: weakref.WeakValueDictionary[str, _Store] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+class MemoryAdapter(L2Adapter):
+    """Records held as ``bytes`` in a dict; same semantics as ``LocalDiskAdapter``.
+
+    * ``put`` copies the parts into one ``bytes`` object; a name already stored is not rewritten
+      (reports True, usage unchanged). With ``size_gb`` set, the least recently used records (by
+      put/get) are evicted until the new one fits and reported through ``on_evict``; a record larger
+      than the capacity is not stored (False).
+    * ``get`` returns the stored ``bytes`` object itself (immutable, so sharing it is safe).
+    * Names are not interpreted (no file system), so any string is accepted.
+    """
+
+    config_class = MemoryConfig
+
+    def __init__(self, config: MemoryConfig):
+        super().__init__(config)
+        if config.shared is None:
+            self._store = _Store(config.capacity_bytes)
+        else:
+            with _SHARED_LOCK:
+                store = _SHARED.get(config.shared)
+                if store is None:
+                    store = _SHARED[config.shared] = _Store(config.capacity_bytes)
+                store.capacity_bytes = config.capacity_bytes  # the latest configuration wins
+                self._store = store
+        self.capacity_bytes = config.capacity_bytes
+
+    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        s = self._store
+        out, evicted = [], []
+        for name, parts in items:
+            if name in s.records:  # unlocked peek: skips the copy for re-puts
+                with s.lock:
+                    if name in s.records:
+                        s.records.move_to_end(name)
+                        out.append(True)
+                        continue
+            data = b"".join(memoryview(p).cast("B") for p in parts)
+            with s.lock:
+                if name in s.records:
+                    s.records.move_to_end(name)
+                    out.append(True)
+                    continue
+                cap = s.capacity_bytes
+                if cap is not None and len(data) > cap:
+                    out.append(False)
+                    continue
+                while cap is not None and s.records and s.used_bytes + len(data) > cap:
+                    victim, old = s.records.popitem(last=False)
+                    s.used_bytes -= len(old)
+                    evicted.append(victim)
+                s.records[name] = data
+                s.used_bytes += len(data)
+                out.append(True)
+        self._evicted(evicted)
+        return out
+
+    def get(self, names: Sequence[str]) -> list[Buffer | None]:
+        s = self._store
+        out = []
+        with s.lock:
+            for name in names:
+                data = s.records.get(name)
+                if data is not None:
+                    s.records.move_to_end(name)
+                out.append(data)
+        return out
+
+    def contains(self, names: Sequence[str]) -> list[bool]:
+        records = self._store.records
+        return [name in records for name in names]
+
+    def delete(self, names: Sequence[str]) -> int:
+        s = self._store
+        count = 0
+        with s.lock:
+            for name in names:
+                data = s.records.pop(name, None)
+                if data is not None:
+                    s.used_bytes -= len(data)
+                    count += 1
+        return count
+
+    def list_names(self) -> list[str]:
+        with self._store.lock:
+            return list(self._store.records)
+
+    def usage(self) -> Usage:
+        s = self._store
+        with s.lock:
+            return Usage(s.used_bytes, len(s.records), s.capacity_bytes)
