@@ -244,7 +244,7 @@ class KVCache:
         started = time.perf_counter()
         arr = as_token_array(tokens)
         self.layout.validate_kv(kv, len(arr))
-        src = _as_numpy(kv)
+        src = as_numpy(kv)
         ticket = self.begin_store(arr, namespace)
         try:
             for slot in ticket.slots:
@@ -316,12 +316,12 @@ class KVCache:
             in the layout dtype; ``num_tokens <= lookup(tokens)``. Bytes are never wrong: L2 records are
             verified before use.
         """
-        torch = _torch()
+        torch = require_torch()
         started = time.perf_counter()
         ticket = self.begin_retrieve(tokens, namespace)
         try:
             out = torch.empty(self.layout.chunk_shape(ticket.num_tokens), dtype=getattr(torch, self.layout.dtype))
-            dst = _as_numpy(out)
+            dst = as_numpy(out)
             for slot in ticket.slots:
                 src = np.frombuffer(slot.view, dtype=dst.dtype).reshape(
                     self.layout.chunk_shape(slot.ref.end - slot.ref.start))
@@ -373,7 +373,7 @@ def _runs(slots: list[Slot]) -> list[list[Slot]]:
     return runs
 
 
-def _torch():
+def require_torch():
     try:
         import torch
     except ImportError:
@@ -381,11 +381,11 @@ def _torch():
     return torch
 
 
-def _as_numpy(kv) -> np.ndarray:
+def as_numpy(kv) -> np.ndarray:
     """A numpy view of a torch tensor or numpy array (bf16/fp8 viewed as same-size ints; no copy)."""
     if isinstance(kv, np.ndarray):
         return kv
-    torch = _torch()
+    torch = require_torch()
     if kv.dtype in (torch.bfloat16,):
         kv = kv.view(torch.int16)
     elif kv.element_size() == 1 and kv.dtype != torch.uint8:

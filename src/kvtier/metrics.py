@@ -41,6 +41,7 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_events_dropped_total", "counter", "KV cache events dropped because the event queue was full."),
     MetricSpec("kvtier_events_published_total", "counter", "KV cache events published."),
     MetricSpec("kvtier_client_unavailable_total", "counter", "Client calls answered as a miss because the server was unreachable."),
+    MetricSpec("kvtier_lease_expired_total", "counter", "Server leases that expired before the client confirmed: store reservations aborted, retrieve pins released.", ("kind",)),
 )}
 
 

@@ -1,0 +1,126 @@
+"""Admin HTTP for the server (starlette app served by uvicorn in a thread).
+
+``GET /healthz`` (200 ``ok`` / 503 with the reason), ``GET /status`` (JSON), ``GET /metrics``
+(Prometheus text from OpenTelemetry meters), ``POST /clear[?medium=CPU|STORAGE]`` (``Authorization: Bearer <token>``
+required when an admin token is set; 401 otherwise, and nothing is cleared). No endpoint returns
+environment variables or secrets. Binds 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import socket
+import threading
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from kvtier import __version__
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.server.protocol import PROTOCOL_VERSION
+from kvtier.server.telemetry import CONTENT_TYPE, Telemetry
+
+log = logging.getLogger(__name__)
+_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "connection_string", "sas")
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+def redact(value):
+    """A copy of a config value with secrets masked: keys naming a secret, and user:password in URLs."""
+    if isinstance(value, dict):
+        return {k: "***" if any(w in str(k).lower() for w in _SECRET_WORDS) and v is not None else redact(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        return _URL_USERINFO.sub("***@", value)
+    return value
+
+
+def server_status(server) -> dict:
+    """Everything /status shows: version, uptime, health, config (secrets masked), L1, L2, clients."""
+    server.tiers.refresh_gauges()
+    l1 = server.tiers.l1
+    config = server.config.model_dump(mode="json")
+    config["server"].pop("admin_token", None)
+    healthy, reason = server.health()
+    snap = server.snapshot()
+    return {"version": __version__, "protocol_version": PROTOCOL_VERSION, "server_id": server.server_id,
+            "uptime_seconds": round(time.time() - server.started, 3), "healthy": healthy, "reason": reason,
+            "endpoint": server.endpoint, "config": redact(config),
+            "l1": {"used_bytes": l1.used_bytes, "capacity_bytes": l1.capacity_bytes, "num_chunks": l1.num_chunks,
+                   "eviction_policy": server.config.eviction_policy, "shm_name": server.shm_name},
+            "l2": server.tiers.l2.status(), "connected_clients": len(snap["clients"]), **snap}
+
+
+def build_app(server, telemetry: Telemetry, token: str | None) -> Starlette:
+    """The ASGI app over a ``KVTierServer`` (``health()``, ``snapshot()``, ``clear()``)."""
+
+    async def healthz(request: Request) -> Response:
+        healthy, reason = server.health()
+        return PlainTextResponse("ok" if healthy else f"unhealthy: {reason}", status_code=200 if healthy else 503)
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(server_status, server))
+
+    async def metrics(request: Request) -> Response:
+        body = await asyncio.to_thread(telemetry.render)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    async def clear(request: Request) -> Response:
+        if token is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return JSONResponse({"error": "missing or wrong admin token: send 'Authorization: Bearer <token>'"},
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        medium = request.query_params.get("medium")
+        try:
+            num_chunks = await asyncio.to_thread(server.clear, medium)
+        except KVTierError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"cleared": True, "medium": medium, "num_l1_chunks": num_chunks})
+
+    return Starlette(routes=[Route("/healthz", healthz), Route("/status", status), Route("/metrics", metrics),
+                             Route("/clear", clear, methods=["POST"])])
+
+
+class AdminHTTP:
+    """Runs the admin app on ``host:port`` in a daemon thread. The port is bound in the constructor,
+    so a port in use is a ConfigError at startup, not a log line in a thread."""
+
+    def __init__(self, server, telemetry: Telemetry, host: str, port: int, token: str | None):
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+            self.sock.listen(128)
+        except OSError as exc:
+            self.sock.close()
+            raise ConfigError(f"cannot listen on {host}:{port} (--admin-host/--admin-port): {exc.strerror}; "
+                              "pick another --admin-port") from None
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(build_app(server, telemetry, token), log_level="warning", lifespan="off",
+                                access_log=False)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.sock]},
+                                        name="kvtier-admin-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._uvicorn.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.sock.close()

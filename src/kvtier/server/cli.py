@@ -1,0 +1,121 @@
+"""``kvtier server`` and ``kvtier status``.
+
+Startup problems (L1 size 0, a port in use, a bad ``--l2-adapter`` JSON, an unknown adapter type or a
+missing field) raise ConfigError, which ``kvtier.cli.main`` prints as one ``error: ...`` line, exit 2.
+SIGINT/SIGTERM: stop answering, finish queued L2 writes (bounded by ``server.shutdown_timeout_seconds``),
+close sockets, unlink the shared L1, exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import urllib.error
+import urllib.request
+
+import click
+
+from kvtier.config import EVICTION_POLICIES, load_config
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.hashing import ALGORITHMS
+
+
+def _adapter_spec(value: str) -> dict:
+    try:
+        spec = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--l2-adapter {value!r} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                          """write e.g. '{"type": "local_disk", "path": "/data/kvtier"}'""") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"--l2-adapter must be a JSON object with a 'type', got {value!r}")
+    return spec
+
+
+@click.command()
+@click.option("--host", default=None, help="Request socket address [default: 127.0.0.1].")
+@click.option("--port", type=int, default=None, help="Request socket port (ZMQ ROUTER) [default: 5555; 0: any].")
+@click.option("--admin-host", default=None, help="Admin HTTP address [default: 127.0.0.1].")
+@click.option("--admin-port", type=int, default=None, help="Admin HTTP port [default: 8080; 0: any].")
+@click.option("--l1-size-gb", default=None, help="L1 (shared host memory) size, e.g. 8 or '512MiB'. Required.")
+@click.option("--eviction-policy", type=click.Choice(EVICTION_POLICIES, case_sensitive=False), default=None,
+              help="L1 eviction policy. Required.")
+@click.option("--chunk-size", type=int, default=None, help="Tokens per chunk [default: 256].")
+@click.option("--hash-algorithm", type=click.Choice(ALGORITHMS), default=None,
+              help="Prefix-hash algorithm (vLLM names) [default: sha256_cbor].")
+@click.option("--l2-adapter", "l2_adapters", multiple=True,
+              help="""L2 adapter JSON, repeatable, in cascade order, e.g. '{"type": "local_disk", "path": "/data/kvtier"}'.""")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="YAML configuration file (or KVTIER_CONFIG_FILE).")
+@click.option("--admin-token", envvar="KVTIER_ADMIN_TOKEN", default=None,
+              help="Token required by POST /clear (or KVTIER_ADMIN_TOKEN).")
+@click.option("--lease-seconds", type=float, default=None, help="Pins held for a client expire after this [default: 30].")
+@click.option("--shared-memory/--no-shared-memory", default=None,
+              help="Same-host clients copy KV through the shared L1 [default: on].")
+@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chunk_size, hash_algorithm,
+           l2_adapters, config_path, admin_token, lease_seconds, shared_memory, log_level) -> None:
+    """Run the kvtier cache server: ZMQ requests on --port, admin HTTP on --admin-port."""
+    srv = {"host": host, "port": port, "admin_host": admin_host, "admin_port": admin_port,
+           "admin_token": admin_token, "lease_seconds": lease_seconds, "shared_memory": shared_memory}
+    overrides = {"l1_size_gb": l1_size_gb, "eviction_policy": eviction_policy, "chunk_size": chunk_size,
+                 "hash_algorithm": hash_algorithm, "server": srv}
+    if l2_adapters:
+        overrides["l2_adapters"] = [_adapter_spec(v) for v in l2_adapters]
+    config = load_config(config_path, overrides)
+    for key, flag in (("l1_size_gb", "--l1-size-gb"), ("eviction_policy", "--eviction-policy")):
+        if key not in config.model_fields_set:
+            raise ConfigError(f"{flag} is required (or set {key} in the --config file)")
+    if config.l1_size_gb <= 0:
+        raise ConfigError(f"--l1-size-gb must be > 0 (got {config.l1_size_gb:g}): L1 is where every chunk lands first")
+    run(config, log_level)
+
+
+def run(config, log_level: str = "INFO") -> None:
+    """Start the server and admin HTTP, serve until SIGINT/SIGTERM, then shut down cleanly."""
+    from kvtier.server.admin import AdminHTTP
+    from kvtier.server.server import KVTierServer
+    from kvtier.server.telemetry import Telemetry
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvtier.server")
+    kv_server = KVTierServer(config)
+    telemetry = Telemetry(kv_server.metrics, before_collect=kv_server.tiers.refresh_gauges)
+    srv = config.server
+    token = srv.admin_token.get_secret_value() if srv.admin_token is not None else None
+    try:
+        admin = AdminHTTP(kv_server, telemetry, srv.admin_host, srv.admin_port, token)
+    except BaseException:
+        kv_server.close()
+        telemetry.close()
+        raise
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: kv_server.stop())
+    admin.start()
+    log.info("kvtier server ready: requests %s, admin %s, L1 %d bytes (%s), shm %s, %d L2 adapter(s)",
+             kv_server.endpoint, admin.url, kv_server.tiers.l1.capacity_bytes, config.eviction_policy,
+             kv_server.shm_name or "off", len(kv_server.tiers.l2.adapters))
+    try:
+        kv_server.serve_forever()
+    finally:
+        log.info("shutting down: finishing queued L2 writes (at most %.0f s)", srv.shutdown_timeout_seconds)
+        admin.stop()
+        flushed = kv_server.close()
+        telemetry.close()
+        log.info("stopped%s", "" if flushed else " (some L2 writes were still queued at the deadline)")
+
+
+@click.command()
+@click.option("--admin-url", default="http://127.0.0.1:8080", show_default=True, help="The server's admin HTTP.")
+@click.option("--timeout", "timeout_s", type=float, default=5.0, show_default=True, help="Seconds to wait.")
+def status(admin_url: str, timeout_s: float) -> None:
+    """Print a running server's /status (JSON)."""
+    url = admin_url.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body = json.load(response)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise KVTierError(f"cannot read {url}: {getattr(exc, 'reason', exc)}; is the server running?") from None
+    json.dump(body, sys.stdout, indent=2)
+    sys.stdout.write("\n")

@@ -1,0 +1,349 @@
+"""Client: the engine's handle on a kvtier server, with the ``lookup/store/retrieve/clear`` of ``KVCache``.
+
+Resilience rules (the engine must never hang or crash because of the cache):
+  * A ZMQ monitor tracks the connection: while it is down every call is a *fast miss* (lookup 0,
+    store 0, retrieve empty) with one warning per outage and ``kvtier_client_unavailable_total``.
+  * A call waits at most ``timeout_s``; on timeout the socket is reset and calls are fast misses for a
+    back-off period. A server that restarts (new session, maybe a new shared-memory arena) is picked
+    up by itself: the next call gets ``no_session``, the client says ``Hello`` again and retries once.
+  * Only caller mistakes raise (InputError: bad tokens, KV of the wrong shape or dtype), as in KVCache;
+    a handshake refusal (version, layout or config mismatch) raises ProtocolError from the constructor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvtier.errors import InputError, ProtocolError
+from kvtier.hashing import as_token_array
+from kvtier.layout import KVLayout
+from kvtier.metrics import Metrics
+from kvtier.server import dataplane as D
+from kvtier.server import protocol as P
+
+log = logging.getLogger(__name__)
+_UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_DOWN_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_REFUSALS = ("version_mismatch", "layout_mismatch", "config_mismatch", "bad_request")
+
+
+class Client:
+    """Connects to ``kvtier server`` at ``url`` for one (model, KV layout, namespace).
+
+    Args:
+        url: the server's ZMQ endpoint, e.g. ``"tcp://127.0.0.1:5555"``.
+        model: model id (part of every key).
+        layout: the KV layout (``KVLayout`` or its ``to_dict()``).
+        namespace: default namespace (LoRA / cache_salt, see ``keys.namespace_of``).
+        timeout_s: longest wait for one reply.
+        shared_memory: use the server's shared L1 when it is on this host (else bytes travel as frames).
+        expect: server settings this client relies on (``chunk_size``, ``hash_algorithm``, ``hash_seed``,
+            ``save_unfull_chunk``); a difference refuses the session.
+        retry_after_s: after a timeout, calls are fast misses for this long before the next try.
+        metrics: where ``kvtier_client_unavailable_total`` is counted (a new ``Metrics`` if None).
+
+    Raises:
+        ProtocolError: the server refused the handshake (the message says what differs).
+    """
+
+    def __init__(self, url: str, *, model: str, layout: KVLayout | dict, namespace: str = "",
+                 timeout_s: float = 10.0, shared_memory: bool = True, expect: dict | None = None,
+                 retry_after_s: float = 1.0, metrics: Metrics | None = None):
+        self.url = url
+        self.model = model
+        self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout)
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.shared_memory = shared_memory
+        self.expect = dict(expect or {})
+        self.retry_after_s = retry_after_s
+        self.metrics = metrics or Metrics()
+        self.info: P.HelloReply | None = None  # the server's answer to the last handshake
+        self._arena = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # a DEALER is not thread-safe: one call at a time
+        self._ctx = zmq.Context()
+        self._sock = self._monitor = None
+        self._linked = False  # the monitor saw a completed ZMTP handshake and no disconnect since
+        self._down_until = 0.0
+        self._warned = False
+        self._open_socket()
+        with self._lock:
+            self._wait_linked(min(timeout_s, 2.0))  # an engine may start before its server
+            if self._linked and not self._handshake(raise_refusal=True):
+                self._mark_down("no answer to the handshake")
+            elif not self._linked:
+                self._mark_down(f"cannot reach {url}", backoff=False)
+
+    # ---- connection ----------------------------------------------------------------------------
+    def _open_socket(self) -> None:
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._monitor = self._sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
+        self._linked = False
+        self._sock.connect(self.url)
+
+    def _close_socket(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    def _drain_monitor(self, wait_s: float = 0.0) -> None:
+        """Apply queued connection events to ``_linked`` (waiting up to ``wait_s`` for the first)."""
+        while self._monitor.poll(int(wait_s * 1000)):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event & _UP_EVENTS:
+                self._linked = True
+            elif event & _DOWN_EVENTS:
+                self._linked = False
+            wait_s = 0.0
+
+    def _wait_linked(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        self._drain_monitor()
+        while not self._linked and time.monotonic() < deadline:
+            self._drain_monitor(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def _mark_down(self, why: str, backoff: bool = True) -> None:
+        if backoff:  # a hung server: start over with a fresh socket after a pause
+            self._close_socket()
+            self._open_socket()
+            self._down_until = time.monotonic() + self.retry_after_s
+        if not self._warned:
+            log.warning("kvtier server %s unavailable (%s): calls are cache misses until it is back", self.url, why)
+            self._warned = True
+
+    def _handshake(self, raise_refusal: bool = False) -> bool:
+        hello = P.Hello(id=next(self._ids), version=P.PROTOCOL_VERSION, model=self.model,
+                        layout=self.layout.to_dict(), layout_id=self.layout.layout_id, namespace=self.namespace,
+                        host_id=D.host_id(), pid=os.getpid(), want_shm=self.shared_memory, expect=self.expect)
+        reply, _ = self._roundtrip(hello, ())
+        if reply is None:
+            return False
+        if isinstance(reply, P.Error):
+            message = f"kvtier server {self.url} refused the session ({reply.code}): {reply.message}"
+            if raise_refusal and reply.code in _REFUSALS:
+                raise ProtocolError(message)
+            log.error(message)
+            return False
+        if not isinstance(reply, P.HelloReply):
+            return False
+        if self.info is None or reply.shm_name != self.info.shm_name:
+            if self._arena is not None:
+                self._arena.close()
+            self._arena = D.attach_arena(reply.shm_name, reply.shm_capacity_bytes) if reply.shm_name else None
+        self.info = reply
+        if self._warned:
+            log.warning("kvtier server %s is back", self.url)
+        self._warned = False
+        return True
+
+    def _roundtrip(self, msg, frames) -> tuple[object | None, list]:
+        """Send one request and wait for its reply; (None, []) when the server is gone or silent."""
+        try:  # never block: a DEALER with no live peer would wait forever
+            self._sock.send_multipart([P.encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._mark_down("send queue full or no connection")
+            return None, []
+        deadline = time.monotonic() + self.timeout_s
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._mark_down(f"no reply within {self.timeout_s} s")
+                return None, []
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if self._monitor in ready:
+                self._drain_monitor()
+                if not self._linked:  # the peer went away: its reply will never come
+                    self._mark_down("connection lost", backoff=False)
+                    return None, []
+            if self._sock in ready:
+                parts = self._sock.recv_multipart(copy=False)
+                try:
+                    reply = P.decode_reply(parts[0].buffer)
+                except Exception:  # noqa: BLE001 -- whatever the bytes, a bad reply is dropped, never raised
+                    log.warning("undecodable reply from %s dropped", self.url)
+                    continue
+                if reply.id == msg.id:
+                    return reply, parts[1:]
+                # a late reply to an earlier, abandoned request: ignore it
+
+    def _call(self, msg, frames=(), retry: bool = True) -> tuple[object | None, list]:
+        """One request with the availability rules; (None, []) means: answer as a miss."""
+        if time.monotonic() >= self._down_until:
+            self._drain_monitor()
+            if self._linked:
+                if self.info is None and not self._handshake():
+                    return self._miss()
+                reply, payload = self._roundtrip(msg, frames)
+                if isinstance(reply, P.Error) and reply.code == "no_session" and retry:
+                    if not self._handshake():  # the server restarted: new session, then once more
+                        return self._miss()
+                    reply, payload = self._roundtrip(msg, frames)
+                if reply is None:
+                    return self._miss()
+                if isinstance(reply, P.Error):
+                    if reply.code != "lease_expired":
+                        log.warning("kvtier server answered %s to %s: %s", reply.code, type(msg).__name__, reply.message)
+                    return None, []
+                return reply, payload
+            self._mark_down("not connected", backoff=False)
+        return self._miss()
+
+    def _miss(self) -> tuple[None, list]:
+        self.metrics.inc("kvtier_client_unavailable_total")
+        return None, []
+
+    # ---- the KVCache interface -----------------------------------------------------------------
+    def lookup(self, tokens, namespace: str | None = None) -> int:
+        """Number of leading tokens of ``tokens`` whose KV the server holds (0 when it is unavailable)."""
+        arr = as_token_array(tokens)
+        with self._lock:
+            reply, _ = self._call(P.Lookup(id=next(self._ids), tokens=P.pack_tokens(arr), namespace=namespace))
+        return reply.num_tokens if isinstance(reply, P.LookupReply) else 0
+
+    def store(self, tokens, kv, namespace: str | None = None) -> int:
+        """Store the KV of ``tokens`` (``(num_layers, 2, T, num_kv_heads, head_dim)``, layout dtype).
+
+        Returns the number of chunks newly stored (0 when the server is unavailable).
+        Raises InputError when ``tokens`` or ``kv`` do not match the layout.
+        """
+        arr = as_token_array(tokens)
+        self.layout.validate_kv(kv, len(arr))
+        src = D.to_numpy(kv)
+        with self._lock:
+            shm = self._arena is not None
+            begin = P.StoreBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm, namespace=namespace)
+            reply, _ = self._call(begin)
+            if not isinstance(reply, P.StoreSlots) or not reply.slots:
+                return 0
+            got_at = time.monotonic()
+            chunk_size = self.info.chunk_size
+            if reply.slots[0].offset >= 0 and self._arena is not None:
+                ok = self._copy_in(src, reply.slots, chunk_size, got_at)
+                frames = []
+            else:
+                ok, frames = True, D.chunk_frames(src, reply.slots, self.layout, chunk_size)
+            done, _ = self._call(P.StoreCommit(id=next(self._ids), ticket=reply.ticket, ok=ok), frames, retry=False)
+        return done.num_stored if isinstance(done, P.StoreDone) else 0
+
+    def _copy_in(self, src, slots, chunk_size: int, got_at: float) -> bool:
+        # never write after half the lease: past the lease the server may have reused the slot
+        budget = self.info.lease_seconds / 2
+        for slot in slots:
+            if time.monotonic() - got_at > budget:
+                return False
+            n = D.slot_tokens(slot, self.layout)
+            start = slot.chunk_index * chunk_size
+            dst = D.chunk_view(self._arena.view(slot.offset, slot.nbytes), self.layout, n, src.dtype)
+            dst[...] = src[:, :, start:start + n]
+        return True
+
+    def retrieve(self, tokens, namespace: str | None = None):
+        """KV of the leading available tokens: ``(kv, num_tokens)``, kv a torch tensor
+        ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``; ``num_tokens`` is 0 on a miss or when the
+        server is unavailable. Bytes are never wrong: a copy made after the lease ended is discarded."""
+        arr = as_token_array(tokens)
+        with self._lock:
+            shm = self._arena is not None
+            reply, payload = self._call(P.RetrieveBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
+                                                        namespace=namespace))
+            if isinstance(reply, P.RetrieveSlots) and reply.slots and self._arena is not None:
+                out, dst = D.empty_kv(self.layout, reply.num_tokens)
+                self._copy_out(dst, reply.slots, [self._arena.view(s.offset, s.nbytes) for s in reply.slots])
+                done, _ = self._call(P.RetrieveEnd(id=next(self._ids), ticket=reply.ticket), retry=False)
+                if isinstance(done, P.Ok):
+                    return out, reply.num_tokens
+            elif isinstance(reply, P.RetrieveData) and reply.slots and _frames_match(payload, reply.slots):
+                out, dst = D.empty_kv(self.layout, reply.num_tokens)
+                self._copy_out(dst, reply.slots, [f.buffer for f in payload])
+                return out, reply.num_tokens
+        return D.empty_kv(self.layout, 0)[0], 0
+
+    def _copy_out(self, dst, slots, buffers) -> None:
+        chunk_size = self.info.chunk_size
+        for slot, buf in zip(slots, buffers):
+            n = D.slot_tokens(slot, self.layout)
+            start = slot.chunk_index * chunk_size
+            dst[:, :, start:start + n] = D.chunk_view(buf, self.layout, n, dst.dtype)
+
+    def clear(self, medium: str | None = None) -> int:
+        """Drop every chunk the server holds, of every cache: all tiers, or only ``"CPU"`` (L1) or ``"STORAGE"``
+        (L2). Returns the L1 chunks dropped (0 if unavailable). Raises InputError for another medium."""
+        if medium not in (None, "CPU", "STORAGE"):
+            raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
+        with self._lock:
+            reply, _ = self._call(P.Clear(id=next(self._ids), medium=medium))
+        return reply.num_chunks if isinstance(reply, P.ClearReply) else 0
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait (at most ``timeout_s``) until the server's queued L2 writes are done. False on timeout or
+        when the server is unavailable."""
+        with self._lock:
+            saved, self.timeout_s = self.timeout_s, max(self.timeout_s, timeout_s + 5.0)
+            try:
+                reply, _ = self._call(P.Flush(id=next(self._ids), timeout_seconds=timeout_s))
+            finally:
+                self.timeout_s = saved
+        return isinstance(reply, P.FlushReply) and reply.done
+
+    def ping(self) -> bool:
+        """True when the server answers."""
+        with self._lock:
+            reply, _ = self._call(P.Ping(id=next(self._ids)))
+        return isinstance(reply, P.Ok)
+
+    def stats(self) -> dict:
+        """The server's counters and gauges ({} when unavailable)."""
+        with self._lock:
+            reply, _ = self._call(P.Stats(id=next(self._ids)))
+        return reply.stats if isinstance(reply, P.StatsReply) else {}
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether KV bytes currently go through the server's shared L1 (else as frames)."""
+        return self._arena is not None
+
+    def close(self) -> None:
+        """Say goodbye (best effort, short wait) and release the socket and the arena mapping."""
+        with self._lock:
+            if self._sock is None:
+                return
+            self._drain_monitor()
+            if self._linked and self.info is not None:
+                timeout, self.timeout_s = self.timeout_s, min(self.timeout_s, 0.5)
+                try:
+                    self._roundtrip(P.Bye(id=next(self._ids)), ())
+                finally:
+                    self.timeout_s = timeout
+            self._close_socket()
+            self._sock = None
+            self._ctx.term()
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _frames_match(payload, slots) -> bool:
+    return len(payload) == len(slots) and all(len(f) == s.nbytes for f, s in zip(payload, slots))

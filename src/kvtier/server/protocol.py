@@ -1,0 +1,242 @@
+"""The kvtier wire protocol: msgspec messages (msgpack) between ``Client`` (ZMQ DEALER) and the server (ROUTER).
+
+Framing: a client sends ``[header, *payload]``; the server answers ``[header, *payload]`` (the ROUTER adds
+and strips the client identity). ``header`` is one msgpack map tagged by ``"t"`` (the message type);
+``payload`` frames carry raw KV bytes, one frame per chunk, only when the shared-memory data plane is not
+used. Every request has an ``id`` (int) and gets exactly one reply with the same ``id``: its ``...Reply``
+type, ``Ok``, or ``Error(code, message)``. A header that cannot be decoded at all is answered with
+``Error(id=-1, code="malformed")``.
+
+Exchanges:
+  * ``Hello`` -> ``HelloReply`` (chunk size, hash algorithm and seed, data plane, lease) or ``Error``.
+  * ``Lookup`` -> ``LookupReply(num_tokens)``.
+  * ``StoreBegin`` -> ``StoreSlots`` (the chunks to write; ``offset`` into the shared L1 arena, or -1
+    when the bytes travel as frames) -> ``StoreCommit`` (+ one frame per slot in frames mode) -> ``StoreDone``.
+  * ``RetrieveBegin(shm=True)`` -> ``RetrieveSlots`` (pinned arena slots) -> client copies ->
+    ``RetrieveEnd`` -> ``Ok`` (the copy is valid) or ``Error(lease_expired)`` (discard it).
+  * ``RetrieveBegin(shm=False)`` -> ``RetrieveData`` + one frame per chunk.
+  * ``Clear`` -> ``ClearReply``; ``Flush`` -> ``FlushReply`` (deferred until L2 writes are done or the
+    timeout); ``Ping`` -> ``Ok``; ``Stats`` -> ``StatsReply``; ``Bye`` -> ``Ok``.
+No pickle: only msgpack and raw bytes cross the socket.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+from kvtier.errors import InputError
+from kvtier.hashing import as_token_array
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 << 20  # a header holds token ids, never KV; 64 MiB is ~8M tokens
+MAX_TOKENS = 8 << 20
+
+Id = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+# token ids travel as one binary field: little-endian int64, 8 bytes per token (pack_tokens / unpack_tokens)
+TokenIds = Annotated[bytes, msgspec.Meta(max_length=8 * MAX_TOKENS)]
+
+
+class _Msg(msgspec.Struct, tag_field="t", forbid_unknown_fields=True, omit_defaults=True):
+    id: Id
+
+
+# ---- requests ---------------------------------------------------------------------------------------
+class Hello(_Msg, tag="hello"):
+    """Open a session: which cache (model, KV layout, namespace) this client reads and writes.
+
+    ``layout``: ``KVLayout.to_dict()``; ``layout_id``: what the client computes for it (checked).
+    ``expect``: server settings the client relies on (chunk_size, hash_algorithm, hash_seed,
+    save_unfull_chunk); any difference refuses the session. ``host_id``: hostname and boot id, so the
+    server offers shared memory only to a client on the same machine.
+    """
+
+    version: int
+    model: str
+    layout: dict[str, Any]
+    layout_id: str
+    namespace: str = ""
+    host_id: str = ""
+    pid: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] = 0
+    want_shm: bool = True
+    expect: dict[str, Any] = {}
+
+
+class Lookup(_Msg, tag="lookup"):
+    tokens: TokenIds
+    namespace: str | None = None
+
+
+class StoreBegin(_Msg, tag="store_begin"):
+    tokens: TokenIds
+    shm: bool = True
+    namespace: str | None = None
+
+
+class StoreCommit(_Msg, tag="store_commit"):
+    """Commit (``ok``) or abort a reservation. In frames mode one frame per slot follows, in slot order."""
+
+    ticket: Id
+    ok: bool = True
+
+
+class RetrieveBegin(_Msg, tag="retrieve_begin"):
+    tokens: TokenIds
+    shm: bool = True
+    namespace: str | None = None
+
+
+class RetrieveEnd(_Msg, tag="retrieve_end"):
+    ticket: Id
+
+
+class Clear(_Msg, tag="clear"):
+    """Drop chunks of every cache: all tiers (``medium`` None), only L1 (``"CPU"``) or only L2 (``"STORAGE"``)."""
+
+    medium: str | None = None
+
+
+class Flush(_Msg, tag="flush"):
+    """Answer once queued L2 writes are done, or after ``timeout_seconds`` (``FlushReply.done`` False)."""
+
+    timeout_seconds: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
+
+
+class Ping(_Msg, tag="ping"):
+    pass
+
+
+class Stats(_Msg, tag="stats"):
+    pass
+
+
+class Bye(_Msg, tag="bye"):
+    pass
+
+
+Request = Hello | Lookup | StoreBegin | StoreCommit | RetrieveBegin | RetrieveEnd | Clear | Flush | Ping | Stats | Bye
+
+
+# ---- replies ----------------------------------------------------------------------------------------
+class Slot(msgspec.Struct, array_like=True, frozen=True):
+    """One chunk's place: index in the prompt, byte offset in the shared arena (-1: frames), size in bytes."""
+
+    chunk_index: int
+    offset: int
+    nbytes: int
+
+
+class HelloReply(_Msg, tag="hello_reply"):
+    version: int
+    server_id: str
+    chunk_size: int
+    hash_algorithm: str
+    hash_seed: str
+    save_unfull_chunk: bool
+    lease_seconds: float
+    max_message_bytes: int
+    shm_name: str | None = None
+    shm_capacity_bytes: int = 0
+
+
+class LookupReply(_Msg, tag="lookup_reply"):
+    num_tokens: int
+
+
+class StoreSlots(_Msg, tag="store_slots"):
+    ticket: int
+    slots: list[Slot]
+
+
+class StoreDone(_Msg, tag="store_done"):
+    num_stored: int
+
+
+class RetrieveSlots(_Msg, tag="retrieve_slots"):
+    ticket: int
+    num_tokens: int
+    slots: list[Slot]
+
+
+class RetrieveData(_Msg, tag="retrieve_data"):
+    num_tokens: int
+    slots: list[Slot]
+
+
+class ClearReply(_Msg, tag="clear_reply"):
+    num_chunks: int
+
+
+class FlushReply(_Msg, tag="flush_reply"):
+    done: bool
+
+
+class StatsReply(_Msg, tag="stats_reply"):
+    stats: dict[str, Any]
+
+
+class Ok(_Msg, tag="ok"):
+    pass
+
+
+class Error(msgspec.Struct, tag="error", tag_field="t", omit_defaults=True):
+    """A typed refusal. ``code``: one of ``ERROR_CODES``; ``id`` is -1 when the request id was unreadable."""
+
+    id: int
+    code: str
+    message: str
+
+
+ERROR_CODES = ("malformed", "bad_request", "version_mismatch", "layout_mismatch", "config_mismatch",
+               "no_session", "unknown_ticket", "lease_expired", "too_large", "bad_payload", "internal",
+               "shutting_down")
+
+Reply = (HelloReply | LookupReply | StoreSlots | StoreDone | RetrieveSlots | RetrieveData | ClearReply
+         | FlushReply | StatsReply | Ok | Error)
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of a request or reply."""
+    return _encoder.encode(msg)
+
+
+def decode_request(buf) -> Request:
+    """Decode a request header. Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError``."""
+    return _request_decoder.decode(buf)
+
+
+def decode_reply(buf) -> Reply:
+    """Decode a reply header. Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError``."""
+    return _reply_decoder.decode(buf)
+
+
+def pack_tokens(tokens) -> bytes:
+    """Token ids (any 1-D int sequence) as the wire's little-endian int64 bytes. Raises InputError."""
+    return as_token_array(tokens).astype("<i8", copy=False).tobytes()
+
+
+def unpack_tokens(buf: bytes) -> np.ndarray:
+    """The int64 token array of a ``tokens`` field. Raises InputError on a bad length or negative ids."""
+    if len(buf) % 8:
+        raise InputError(f"tokens field holds {len(buf)} bytes, not a multiple of 8 (little-endian int64 ids)")
+    arr = np.frombuffer(buf, dtype="<i8")
+    if arr.size and int(arr.min()) < 0:
+        raise InputError(f"token ids must be non-negative; got {int(arr.min())}")
+    return arr
+
+
+def salvage_id(buf) -> int:
+    """Best effort: the ``id`` of a header that failed strict decoding, or -1 (so the error still reaches its caller)."""
+    try:
+        obj = _any_decoder.decode(buf)
+    except (msgspec.MsgspecError, RecursionError, MemoryError):
+        return -1
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63 else -1

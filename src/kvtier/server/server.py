@@ -1,0 +1,395 @@
+"""The kvtier server: one L1 (in shared memory) and one L2 cascade serving every engine on the host.
+
+A ZMQ ROUTER answers the requests of ``kvtier.server.protocol`` from one thread. Caches are made per
+(model, KV layout, namespace) on ``Hello`` and share the tiers. Store and retrieve hand out L1 slots;
+each reservation or pin is a *lease* that expires after ``server.lease_seconds``: an expired store is
+aborted (its half-written chunk never becomes visible) and an expired retrieve is unpinned (the
+client's late ``RetrieveEnd`` gets ``lease_expired`` and discards what it copied).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+
+import msgspec
+import zmq
+
+from kvtier.cache import KVCache, Tiers
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.metrics import Metrics
+from kvtier.server import protocol as P
+from kvtier.server.dataplane import host_id
+from kvtier.server.session import (
+    HandshakeRefused,
+    Lease,
+    Session,
+    check_hello,
+    handshake_values,
+)
+from kvtier.server.shm import hold_lock, reap_stale_shm
+
+log = logging.getLogger(__name__)
+MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
+MAX_BATCH = 256  # messages handled per poll wake-up before leases are checked
+
+
+class KVTierServer:
+    """ZMQ request server over shared ``Tiers``.
+
+    Args:
+        config: the configuration tree (``config.server`` holds sockets, lease and limits).
+        shm_name: name of the L1 arena under /dev/shm; default ``kvtier-<pid>-<random>``.
+            Ignored when ``config.server.shared_memory`` is false (anonymous L1, frames only).
+
+    Raises:
+        ConfigError: the port is in use or cannot be bound, L1 size 0, bad L2 adapter spec.
+    """
+
+    def __init__(self, config: KVTierConfig, *, shm_name: str | None = None):
+        self.config = config
+        self.metrics = Metrics()
+        self.server_id = uuid.uuid4().hex
+        self.started = time.time()
+        self.lock = threading.RLock()  # the request loop and admin HTTP both mutate state under it
+        self.stopping = threading.Event()
+        self.heartbeat = time.monotonic()
+        self.host_id = host_id()
+        srv = config.server
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # a frame larger than this drops the sender's connection before it is buffered
+        self.sock.setsockopt(zmq.MAXMSGSIZE, srv.max_message_bytes + P.MAX_HEADER_BYTES)
+        try:
+            if srv.port == 0:
+                self.port = self.sock.bind_to_random_port(f"tcp://{srv.host}")
+            else:
+                self.sock.bind(f"tcp://{srv.host}:{srv.port}")
+                self.port = srv.port
+        except zmq.ZMQError as exc:
+            self.sock.close()
+            self._ctx.term()
+            raise ConfigError(f"cannot listen on {srv.host}:{srv.port} (--host/--port): {exc.strerror}; "
+                              "is another server running? pick another --port") from None
+        self.endpoint = f"tcp://{srv.host}:{self.port}"
+        if srv.shared_memory:
+            reap_stale_shm()
+            shm_name = shm_name or f"kvtier-{os.getpid()}-{self.server_id[:8]}"
+        else:
+            shm_name = None
+        try:
+            self.tiers = Tiers(config, metrics=self.metrics, shm_name=shm_name)
+        except BaseException:
+            self.sock.close()
+            self._ctx.term()
+            raise
+        self.shm_name = shm_name
+        self._shm_lock = hold_lock(shm_name) if shm_name else None
+        self.caches: dict[tuple[str, str, str], KVCache] = {}
+        self.sessions: dict[bytes, Session] = {}
+        self.leases: dict[int, Lease] = {}
+        self._expired: deque[int] = deque(maxlen=4096)  # recently expired tickets: "lease_expired", not "unknown"
+        self._next_ticket = 1
+        self._flushes: list[tuple[bytes, int, float]] = []  # deferred Flush replies: (identity, id, deadline)
+        self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
+        self.metrics.set("kvtier_connected_clients", 0)
+
+    # ---- loop ----------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Answer requests until ``stop()``; then abort outstanding leases. Call ``close()`` afterwards."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        tick_ms = int(min(200, max(10, self.config.server.lease_seconds * 250)))
+        while not self.stopping.is_set():
+            self.heartbeat = time.monotonic()
+            if poller.poll(tick_ms):
+                for _ in range(MAX_BATCH):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frames)
+            self._expire()
+        with self.lock:
+            for ticket in list(self.leases):
+                self._end_lease(self.leases.pop(ticket), ok=False)
+
+    def stop(self) -> None:
+        """Ask the loop to stop (safe from a signal handler or another thread)."""
+        self.stopping.set()
+
+    def _dispatch(self, frames: list) -> None:
+        if len(frames) < 2:  # a ROUTER always prepends the identity; nothing to answer
+            return
+        identity, header, payload = frames[0].bytes, frames[1], frames[2:]
+        with self.lock:
+            reply, out = self._handle(identity, header, payload)
+        if reply is not None:
+            self._send(identity, reply, out)
+
+    def _send(self, identity: bytes, reply, out=()) -> None:
+        try:
+            self.sock.send_multipart([identity, P.encode(reply), *out], copy=False)
+        except zmq.ZMQError as exc:  # the client went away: nothing to do
+            log.debug("reply to a departed client dropped: %s", exc)
+
+    def _handle(self, identity: bytes, header, payload: list) -> tuple[msgspec.Struct, list]:
+        buf = header.buffer
+        if len(buf) > P.MAX_HEADER_BYTES:
+            return P.Error(id=-1, code="too_large", message=f"header of {len(buf)} bytes exceeds {P.MAX_HEADER_BYTES}"), []
+        try:
+            msg = P.decode_request(buf)
+        except msgspec.ValidationError as exc:
+            return P.Error(id=P.salvage_id(buf), code="bad_request", message=f"invalid request: {exc}"), []
+        except Exception as exc:  # noqa: BLE001 -- DecodeError, and whatever else hostile bytes provoke
+            return P.Error(id=P.salvage_id(buf), code="malformed", message=f"undecodable header: {exc}"), []
+        try:
+            if payload and not isinstance(msg, P.StoreCommit):
+                return self._err(msg, "bad_payload", f"{type(msg).__name__} takes no payload frames, got {len(payload)}"), []
+            if isinstance(msg, P.Hello):
+                return self._hello(identity, msg), []
+            session = self.sessions.get(identity)
+            if session is None:
+                return self._err(msg, "no_session", "no session for this connection: send Hello first"), []
+            session.last_seen = time.monotonic()
+            handler = getattr(self, "_on_" + type(msg).__name__)
+            return handler(identity, session, msg, payload)
+        except KVTierError as exc:
+            return self._err(msg, "bad_request", str(exc)), []
+        except Exception as exc:  # a bug must not take the server down: answer and log it
+            log.exception("request %s failed", type(msg).__name__)
+            return self._err(msg, "internal", f"{type(exc).__name__}: {exc}"), []
+
+    @staticmethod
+    def _err(msg, code: str, message: str) -> P.Error:
+        return P.Error(id=msg.id, code=code, message=message)
+
+    # ---- handshake -----------------------------------------------------------------------------
+    def _hello(self, identity: bytes, msg: P.Hello):
+        try:
+            layout = check_hello(msg, self.config, self.tiers.l1.capacity_bytes)
+        except HandshakeRefused as exc:
+            return self._err(msg, exc.code, str(exc))
+        cache_key = (msg.model, layout.layout_id, msg.namespace)
+        cache = self.caches.get(cache_key)
+        if cache is None:
+            if len(self.caches) >= MAX_CACHES:
+                return self._err(msg, "bad_request", f"this server already serves {MAX_CACHES} caches")
+            cache = KVCache(self.config, msg.model, layout, namespace=msg.namespace, tiers=self.tiers)
+            self.caches[cache_key] = cache
+        shm = bool(self.shm_name) and msg.want_shm and msg.host_id == self.host_id
+        self.sessions[identity] = Session(msg.model, msg.namespace, layout.layout_id, cache, shm,
+                                          msg.pid, time.monotonic())
+        self.metrics.set("kvtier_connected_clients", len(self.sessions))
+        srv = self.config.server
+        return P.HelloReply(id=msg.id, version=P.PROTOCOL_VERSION, server_id=self.server_id,
+                            lease_seconds=srv.lease_seconds, max_message_bytes=srv.max_message_bytes,
+                            shm_name=self.shm_name if shm else None,
+                            shm_capacity_bytes=self.tiers.l1.capacity_bytes if shm else 0,
+                            **handshake_values(self.config))
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _on_Ping(self, identity, session, msg, payload):
+        return P.Ok(id=msg.id), []
+
+    def _on_Bye(self, identity, session, msg, payload):
+        self.sessions.pop(identity, None)
+        self.metrics.set("kvtier_connected_clients", len(self.sessions))
+        return P.Ok(id=msg.id), []
+
+    def _on_Stats(self, identity, session, msg, payload):
+        self.tiers.refresh_gauges()
+        return P.StatsReply(id=msg.id, stats=self.metrics.snapshot()), []
+
+    def _on_Clear(self, identity, session, msg, payload):
+        return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium)), []
+
+    def _on_Flush(self, identity, session, msg, payload):
+        if self.tiers.l2.flush(0):
+            return P.FlushReply(id=msg.id, done=True), []
+        # answered later by _expire, so a slow L2 never blocks the request loop
+        self._flushes.append((identity, msg.id, time.monotonic() + msg.timeout_seconds))
+        return None, []
+
+    def _on_Lookup(self, identity, session, msg, payload):
+        return P.LookupReply(id=msg.id, num_tokens=session.cache.lookup(P.unpack_tokens(msg.tokens), msg.namespace)), []
+
+    def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
+        tid = self._next_ticket
+        self._next_ticket += 1
+        self.leases[tid] = Lease(kind, identity, session.cache, ticket, shm, started,
+                                 started + self.config.server.lease_seconds, slots)
+        return tid
+
+    def _frame_budget(self, slots) -> int:
+        """How many leading slots fit in one message of ``max_message_bytes``."""
+        total, limit = 0, self.config.server.max_message_bytes
+        for i, slot in enumerate(slots):
+            total += slot.nbytes
+            if total > limit:
+                return i
+        return len(slots)
+
+    def _on_StoreBegin(self, identity, session, msg, payload):
+        started = time.monotonic()
+        shm = msg.shm and session.shm
+        ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), msg.namespace)
+        if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store
+            keep = self._frame_budget(ticket.slots)
+            for slot in ticket.slots[keep:]:
+                self.tiers.l1.abort(slot.ref.key)
+            del ticket.slots[keep:]
+        if not ticket.slots:
+            session.cache.commit_store(ticket)
+            self.metrics.observe("kvtier_store_seconds", time.monotonic() - started)
+            return P.StoreSlots(id=msg.id, ticket=0, slots=[]), []
+        slots = [P.Slot(s.ref.index, s.offset if shm else -1, s.nbytes) for s in ticket.slots]
+        tid = self._new_lease("store", identity, session, ticket, shm, slots, started)
+        return P.StoreSlots(id=msg.id, ticket=tid, slots=slots), []
+
+    def _take_lease(self, msg, kind: str, identity: bytes):
+        lease = self.leases.get(msg.ticket)
+        if lease is None or lease.kind != kind or lease.identity != identity:
+            if msg.ticket in self._expired:
+                return None, self._err(msg, "lease_expired", f"ticket {msg.ticket} expired after "
+                                       f"{self.config.server.lease_seconds} s; its slots were released")
+            return None, self._err(msg, "unknown_ticket", f"no {kind} ticket {msg.ticket} for this client")
+        return self.leases.pop(msg.ticket), None
+
+    def _on_StoreCommit(self, identity, session, msg, payload):
+        lease, error = self._take_lease(msg, "store", identity)
+        if error is not None:
+            return error, []
+        ok = msg.ok
+        if ok and not lease.shm:
+            problem = _check_frames(payload, lease.slots)
+            if problem:
+                self._end_lease(lease, ok=False)
+                return self._err(msg, "bad_payload", problem), []
+            try:
+                for slot, frame in zip(lease.ticket.slots, payload):
+                    slot.view[:] = frame.buffer
+            except BaseException:
+                self._end_lease(lease, ok=False)  # never leak the reservation
+                raise
+        elif payload:
+            self._end_lease(lease, ok=False)
+            return self._err(msg, "bad_payload", "shared-memory store takes no payload frames"), []
+        stored = self._end_lease(lease, ok=ok)
+        if ok:
+            self.metrics.observe("kvtier_store_seconds", time.monotonic() - lease.started)
+        return P.StoreDone(id=msg.id, num_stored=stored), []
+
+    def _on_RetrieveBegin(self, identity, session, msg, payload):
+        started = time.monotonic()
+        cache = session.cache
+        ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), msg.namespace)
+        shm = msg.shm and session.shm
+        if not shm:
+            keep = self._frame_budget(ticket.slots)
+            try:
+                slots = [P.Slot(s.ref.index, -1, s.nbytes) for s in ticket.slots[:keep]]
+                frames = [bytes(s.view) for s in ticket.slots[:keep]]  # copied before the pins go
+                num_tokens = ticket.slots[keep - 1].ref.end if keep else 0
+            finally:
+                cache.end_retrieve(ticket)
+            self.metrics.observe("kvtier_retrieve_seconds", time.monotonic() - started)
+            return P.RetrieveData(id=msg.id, num_tokens=num_tokens, slots=slots), frames
+        if not ticket.slots:
+            self.metrics.observe("kvtier_retrieve_seconds", time.monotonic() - started)
+            return P.RetrieveSlots(id=msg.id, ticket=0, num_tokens=0, slots=[]), []
+        slots = [P.Slot(s.ref.index, s.offset, s.nbytes) for s in ticket.slots]
+        tid = self._new_lease("retrieve", identity, session, ticket, True, slots, started)
+        return P.RetrieveSlots(id=msg.id, ticket=tid, num_tokens=ticket.num_tokens, slots=slots), []
+
+    def _on_RetrieveEnd(self, identity, session, msg, payload):
+        lease, error = self._take_lease(msg, "retrieve", identity)
+        if error is not None:
+            return error, []
+        self._end_lease(lease, ok=True)
+        self.metrics.observe("kvtier_retrieve_seconds", time.monotonic() - lease.started)
+        return P.Ok(id=msg.id), []
+
+    # ---- leases and sessions -------------------------------------------------------------------
+    def _end_lease(self, lease: Lease, ok: bool) -> int:
+        if lease.kind == "store":
+            return lease.cache.commit_store(lease.ticket, ok=ok)
+        lease.cache.end_retrieve(lease.ticket)
+        return 0
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            for tid in [t for t, lease in self.leases.items() if lease.deadline <= now]:
+                lease = self.leases.pop(tid)
+                log.warning("%s lease %d expired after %.1f s: %s", lease.kind, tid,
+                            self.config.server.lease_seconds,
+                            "reservation aborted" if lease.kind == "store" else "pins released")
+                self._end_lease(lease, ok=False)
+                self._expired.append(tid)
+                self.metrics.inc("kvtier_lease_expired_total", kind=lease.kind)
+            if self._flushes:
+                done = self.tiers.l2.flush(0)
+                for entry in [f for f in self._flushes if done or f[2] <= now]:
+                    self._flushes.remove(entry)
+                    self._send(entry[0], P.FlushReply(id=entry[1], done=done))
+            idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.session_idle_seconds]
+            for identity in idle:
+                del self.sessions[identity]
+            if idle:
+                self.metrics.set("kvtier_connected_clients", len(self.sessions))
+
+    # ---- admin ---------------------------------------------------------------------------------
+    def clear(self, medium: str | None = None) -> int:
+        """Drop every chunk in L1 and L2, or only ``"CPU"`` (L1) / ``"STORAGE"`` (L2); in-flight reservations
+        stay. Returns the L1 chunks dropped. Raises InputError for another medium."""
+        with self.lock:
+            before = self.tiers.l1.num_chunks
+            self.tiers.clear(medium)
+            return before - self.tiers.l1.num_chunks
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason): the request loop is running and answering."""
+        if self.stopping.is_set():
+            return False, "shutting down"
+        stalled = time.monotonic() - self.heartbeat
+        if stalled > max(5.0, self.config.server.lease_seconds):
+            return False, f"request loop has not run for {stalled:.1f} s"
+        return True, "ok"
+
+    def snapshot(self) -> dict:
+        """Sessions and leases as /status shows them (taken under the lock)."""
+        with self.lock:
+            now = time.monotonic()
+            clients = [{"model": s.model, "namespace": s.namespace, "layout_id": s.layout_id, "pid": s.pid,
+                        "shared_memory": s.shm, "idle_seconds": round(now - s.last_seen, 3)}
+                       for s in self.sessions.values()]
+            leases = {"store": sum(1 for x in self.leases.values() if x.kind == "store"),
+                      "retrieve": sum(1 for x in self.leases.values() if x.kind == "retrieve")}
+            return {"clients": clients, "leases": leases, "caches": len(self.caches)}
+
+    def close(self) -> bool:
+        """Finish queued L2 writes (bounded by ``server.shutdown_timeout_seconds``), close the socket,
+        unmap and unlink the shared L1. Returns False if L2 writes were still pending at the deadline."""
+        self.stopping.set()
+        done = self.tiers.close(self.config.server.shutdown_timeout_seconds)
+        if self._shm_lock is not None:
+            os.close(self._shm_lock)
+        self.sock.close(linger=0)
+        self._ctx.term()
+        return done
+
+
+def _check_frames(payload: list, slots: list) -> str:
+    if len(payload) != len(slots):
+        return f"expected {len(slots)} payload frames (one per slot), got {len(payload)}"
+    for i, (frame, slot) in enumerate(zip(payload, slots)):
+        if len(frame) != slot.nbytes:
+            return f"frame {i} holds {len(frame)} bytes; slot {slot.chunk_index} needs {slot.nbytes}"
+    return ""

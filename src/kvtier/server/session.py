@@ -1,0 +1,79 @@
+"""Server sessions: the handshake checks, and the records of connected clients and their leases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier import __version__
+from kvtier.cache import KVCache
+from kvtier.config import KVTierConfig
+from kvtier.errors import KVTierError
+from kvtier.layout import KVLayout
+from kvtier.server import protocol as P
+
+
+@dataclass(slots=True)
+class Session:
+    model: str
+    namespace: str
+    layout_id: str
+    cache: KVCache
+    shm: bool
+    pid: int
+    last_seen: float
+
+
+@dataclass(slots=True)
+class Lease:
+    kind: str  # "store" | "retrieve"
+    identity: bytes
+    cache: KVCache
+    ticket: object
+    shm: bool
+    started: float
+    deadline: float
+    slots: list = field(default_factory=list)
+
+
+class HandshakeRefused(KVTierError):
+    """A Hello the server refuses; ``code`` is the protocol error code, the message says what differs."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def handshake_values(config: KVTierConfig) -> dict:
+    """The settings a client must agree with (sent in HelloReply, checked against ``Hello.expect``)."""
+    return {"chunk_size": config.chunk_size, "hash_algorithm": config.hash_algorithm, "hash_seed": config.hash_seed,
+            "save_unfull_chunk": config.save_unfull_chunk}
+
+
+def check_hello(msg: P.Hello, config: KVTierConfig, l1_capacity_bytes: int) -> KVLayout:
+    """The client's KV layout if the session can open. Raises HandshakeRefused (version, layout or
+    setting mismatch, empty model id) with a message naming both sides of the difference."""
+    if msg.version != P.PROTOCOL_VERSION:
+        raise HandshakeRefused("version_mismatch", f"client speaks protocol version {msg.version}, this server "
+                               f"{P.PROTOCOL_VERSION} (kvtier {__version__}): upgrade the older side")
+    try:
+        layout = KVLayout.from_dict(msg.layout)
+    except KVTierError as exc:
+        raise HandshakeRefused("layout_mismatch", f"invalid KV layout: {exc}") from None
+    if layout.layout_id != msg.layout_id:
+        raise HandshakeRefused("layout_mismatch", f"layout id differs: client computed {msg.layout_id}, server "
+                               f"computes {layout.layout_id} for {layout.to_dict()}; kvtier versions differ")
+    chunk_bytes = layout.chunk_bytes(config.chunk_size)
+    if chunk_bytes > l1_capacity_bytes:
+        raise HandshakeRefused("layout_mismatch", f"one chunk of this layout is {chunk_bytes} bytes, more than "
+                               f"the whole L1 ({l1_capacity_bytes} bytes): raise --l1-size-gb")
+    if not msg.model:
+        raise HandshakeRefused("bad_request", "model id must not be empty")
+    mine = handshake_values(config)
+    unknown = sorted(set(msg.expect) - set(mine))
+    if unknown:
+        raise HandshakeRefused("bad_request", f"cannot check unknown settings {unknown}; known: {', '.join(mine)}")
+    diffs = [f"{key} differs: client expects {want!r}, server uses {mine[key]!r}"
+             for key, want in msg.expect.items() if want != mine[key]]
+    if diffs:
+        raise HandshakeRefused("config_mismatch", "; ".join(diffs))
+    return layout

@@ -1,0 +1,128 @@
+"""Handshake and typed errors of the kvtier wire protocol, against a real server subprocess."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+from test_server_support import CHUNK, LAYOUT, ServerProc
+
+from kvtier.errors import ProtocolError
+from kvtier.layout import KVLayout
+from kvtier.server import protocol as P
+from kvtier.server.client import Client
+from kvtier.server.dataplane import host_id
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerProc(tmp_path_factory.mktemp("proto")) as srv:
+        yield srv
+
+
+class Raw:
+    """A bare DEALER speaking the protocol by hand."""
+
+    def __init__(self, url: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+
+    def ask(self, msg, *frames):
+        self.sock.send_multipart([P.encode(msg) if isinstance(msg, msgspec.Struct) else msg, *frames])
+        assert self.sock.poll(10_000), "no reply within 10 s"
+        parts = self.sock.recv_multipart()
+        return P.decode_reply(parts[0]), parts[1:]
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
+
+
+def hello(**changes) -> P.Hello:
+    fields = {"id": 1, "version": P.PROTOCOL_VERSION, "model": "m", "layout": LAYOUT.to_dict(),
+              "layout_id": LAYOUT.layout_id, "host_id": host_id()}
+    fields.update(changes)
+    return P.Hello(**fields)
+
+
+def test_handshake_states_settings_and_data_plane(server):
+    raw = Raw(server.url)
+    reply, _ = raw.ask(hello(id=7))
+    assert isinstance(reply, P.HelloReply) and reply.id == 7
+    assert reply.version == P.PROTOCOL_VERSION
+    assert (reply.chunk_size, reply.hash_algorithm, reply.save_unfull_chunk) == (CHUNK, "sha256_cbor", False)
+    assert reply.hash_seed == "vllm-none-hash"
+    assert reply.shm_name and reply.shm_capacity_bytes == server.status()["l1"]["capacity_bytes"]
+    assert reply.lease_seconds == 30.0
+    # another host (different host id) gets no shared memory: its bytes travel as frames
+    reply, _ = raw.ask(hello(id=8, host_id="elsewhere/boot"))
+    assert isinstance(reply, P.HelloReply) and reply.shm_name is None
+    raw.close()
+
+
+def test_version_mismatch_is_refused_with_both_versions(server):
+    raw = Raw(server.url)
+    reply, _ = raw.ask(hello(version=P.PROTOCOL_VERSION + 1))
+    assert isinstance(reply, P.Error) and reply.code == "version_mismatch"
+    assert f"version {P.PROTOCOL_VERSION + 1}" in reply.message and str(P.PROTOCOL_VERSION) in reply.message
+    raw.close()
+
+
+def test_layout_mismatch_names_what_differs(server):
+    raw = Raw(server.url)
+    reply, _ = raw.ask(hello(layout_id="0123456789abcdef"))
+    assert isinstance(reply, P.Error) and reply.code == "layout_mismatch"
+    assert "0123456789abcdef" in reply.message and LAYOUT.layout_id in reply.message
+    bad = dict(LAYOUT.to_dict(), dtype="float64")
+    reply, _ = raw.ask(hello(layout=bad))
+    assert isinstance(reply, P.Error) and reply.code == "layout_mismatch" and "float64" in reply.message
+    huge = KVLayout(num_layers=4096, num_kv_heads=64, head_dim=256)  # one chunk > the 64 MB L1
+    reply, _ = raw.ask(hello(layout=huge.to_dict(), layout_id=huge.layout_id))
+    assert isinstance(reply, P.Error) and reply.code == "layout_mismatch" and "--l1-size-gb" in reply.message
+    raw.close()
+
+
+def test_client_refuses_config_mismatch_at_construction(server):
+    with pytest.raises(ProtocolError, match="chunk_size differs: client expects 256, server uses 16"):
+        Client(server.url, model="m", layout=LAYOUT, expect={"chunk_size": 256}, timeout_s=10)
+    with Client(server.url, model="m", layout=LAYOUT, expect={"chunk_size": CHUNK}, timeout_s=10) as ok:
+        assert ok.ping()
+
+
+def test_requests_before_hello_and_unknown_tickets_get_typed_errors(server):
+    raw = Raw(server.url)
+    reply, _ = raw.ask(P.Lookup(id=3, tokens=P.pack_tokens(range(32))))
+    assert isinstance(reply, P.Error) and (reply.id, reply.code) == (3, "no_session")
+    raw.ask(hello())
+    reply, _ = raw.ask(P.StoreCommit(id=4, ticket=999))
+    assert isinstance(reply, P.Error) and (reply.id, reply.code) == (4, "unknown_ticket")
+    reply, _ = raw.ask(P.RetrieveEnd(id=5, ticket=999))
+    assert isinstance(reply, P.Error) and (reply.id, reply.code) == (5, "unknown_ticket")
+    reply, _ = raw.ask(P.Ping(id=6), b"unexpected payload")
+    assert isinstance(reply, P.Error) and (reply.id, reply.code) == (6, "bad_payload")
+    reply, _ = raw.ask(P.Lookup(id=9, tokens=P.pack_tokens(range(40))))
+    assert isinstance(reply, P.LookupReply) and (reply.id, reply.num_tokens) == (9, 0)
+    raw.close()
+
+
+def test_frames_store_with_wrong_sizes_is_refused_and_aborted(server):
+    raw = Raw(server.url)
+    raw.ask(hello(host_id="elsewhere/boot"))  # frames mode
+    tokens = list(range(5000, 5000 + 2 * CHUNK))
+    slots, _ = raw.ask(P.StoreBegin(id=1, tokens=P.pack_tokens(tokens), shm=False))
+    assert isinstance(slots, P.StoreSlots) and len(slots.slots) == 2
+    assert all(s.offset == -1 and s.nbytes == LAYOUT.chunk_bytes(CHUNK) for s in slots.slots)
+    reply, _ = raw.ask(P.StoreCommit(id=2, ticket=slots.ticket), b"x" * 10, b"y" * 10)
+    assert isinstance(reply, P.Error) and reply.code == "bad_payload" and "frame 0 holds 10 bytes" in reply.message
+    # the reservation was aborted: nothing visible, and a new store gets both slots again
+    assert raw.ask(P.Lookup(id=3, tokens=P.pack_tokens(tokens)))[0].num_tokens == 0
+    again, _ = raw.ask(P.StoreBegin(id=4, tokens=P.pack_tokens(tokens), shm=False))
+    assert len(again.slots) == 2
+    done, _ = raw.ask(P.StoreCommit(id=5, ticket=again.ticket), *[bytes([i]) * s.nbytes for i, s in enumerate(again.slots)])
+    assert isinstance(done, P.StoreDone) and done.num_stored == 2
+    data, frames = raw.ask(P.RetrieveBegin(id=6, tokens=P.pack_tokens(tokens), shm=False))
+    assert isinstance(data, P.RetrieveData) and data.num_tokens == 2 * CHUNK
+    assert frames == [bytes([0]) * len(frames[0]), bytes([1]) * len(frames[1])]
+    raw.close()

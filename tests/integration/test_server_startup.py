@@ -1,0 +1,108 @@
+"""``kvtier server`` startup refusals (one line naming the problem, exit 2, no traceback) and clean
+shutdown on SIGINT (queued L2 writes finished, shared memory unlinked, exit 0)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+import torch
+from test_server_support import CHUNK, LAYOUT, ServerProc, free_port, kvtier_cmd
+
+from kvtier.server.client import Client
+
+
+def refused(*args: str) -> str:
+    base = ["server", "--port", str(free_port()), "--admin-port", str(free_port())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    out = subprocess.run(kvtier_cmd(*base, *args), capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+GOOD = ("--l1-size-gb", "0.01", "--eviction-policy", "LRU")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--l1-size-gb", "0", "--eviction-policy", "LRU"), "--l1-size-gb must be > 0"),
+    (("--eviction-policy", "LRU"), "--l1-size-gb is required"),
+    (("--l1-size-gb", "1"), "--eviction-policy is required"),
+    ((*GOOD, "--l2-adapter", '{"type": "floppy_disk", "path": "/tmp/x"}'), "unknown L2 adapter type 'floppy_disk'"),
+    ((*GOOD, "--l2-adapter", '{"type": "local_disk"}'), "missing required field 'path'"),
+    ((*GOOD, "--l2-adapter", '{"type": "local_disk", "path": "/tmp/x", "colour": 1}'), "unknown field 'colour'"),
+    ((*GOOD, "--l2-adapter", '{"type": "local_disk",'), "is not valid JSON"),
+    ((*GOOD, "--l2-adapter", '["local_disk"]'), "must be a JSON object"),
+])
+def test_bad_startup_is_refused_with_one_line(args, expected):
+    line = refused(*args)
+    assert line.startswith("error: ") and expected in line
+
+
+def test_ports_in_use_are_refused_and_leave_no_shared_memory():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        before = set(os.listdir("/dev/shm"))
+        line = refused(*GOOD, "--port", str(port))
+        assert f"cannot listen on 127.0.0.1:{port} (--host/--port)" in line and "in use" in line
+        line = refused(*GOOD, "--admin-port", str(port))
+        assert f"cannot listen on 127.0.0.1:{port} (--admin-host/--admin-port)" in line
+        assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvtier-")}
+
+
+def test_sigint_finishes_queued_l2_writes_and_exits_0(tmp_path):
+    disk = tmp_path / "disk"
+    # each L2 batch takes 200 ms more, so writes are still queued when SIGINT arrives
+    slow_disk = {"type": "faulty", "inner": {"type": "local_disk", "path": str(disk)}, "latency_ms": 200, "ops": ["put"]}
+    server = ServerProc(tmp_path, config={"l2_adapters": [slow_disk], "l2_write_queue_size": 1024})
+    shm_name = server.status()["l1"]["shm_name"]
+    assert os.path.exists(f"/dev/shm/{shm_name}")
+    with Client(server.url, model="m", layout=LAYOUT) as client:
+        stored = 0
+        for i in range(8):
+            tokens = list(range(i * 100_000, i * 100_000 + 8 * CHUNK))
+            stored += client.store(tokens, torch.randn(LAYOUT.chunk_shape(len(tokens))))
+    assert stored == 64
+    assert server.status()["l2"][0]["num_records"] < 64  # not all written yet
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(timeout=60) == 0
+    server.stop()
+    records = [p for p in disk.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert len(records) == 64  # every queued write reached the disk before exit
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+    assert "stopped" in server.log() and "Traceback" not in server.log()
+
+
+def test_startup_removes_the_shared_l1_of_a_killed_server(tmp_path):
+    first = ServerProc(tmp_path)
+    shm_name = first.status()["l1"]["shm_name"]
+    first.proc.kill()  # SIGKILL: no chance to unlink its shared memory
+    first.proc.wait()
+    first.stop()
+    assert os.path.exists(f"/dev/shm/{shm_name}")
+    with ServerProc(tmp_path) as second:
+        assert not os.path.exists(f"/dev/shm/{shm_name}")
+        assert second.status()["l1"]["shm_name"] != shm_name
+
+
+def test_startup_keeps_a_shared_l1_that_a_live_server_holds(tmp_path):
+    import fcntl
+
+    fake = "/dev/shm/kvtier-999999-0badf00d"  # a pid that is not running here, as in another pid namespace
+    with open(fake, "wb") as f:
+        f.write(b"\0" * 4096)
+    holder = os.open(fake, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_SH)
+        with ServerProc(tmp_path):
+            assert os.path.exists(fake)  # in use: kept
+    finally:
+        os.close(holder)
+        os.unlink(fake)
