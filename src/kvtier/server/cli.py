@@ -53,14 +53,28 @@ def _adapter_spec(value: str) -> dict:
 @click.option("--lease-seconds", type=float, default=None, help="Pins held for a client expire after this [default: 30].")
 @click.option("--shared-memory/--no-shared-memory", default=None,
               help="Same-host clients copy KV through the shared L1 [default: on].")
+@click.option("--enable-kv-events/--disable-kv-events", "enable_kv_events", default=None,
+              help="Publish KV cache events (BlockStored / BlockRemoved / AllBlocksCleared) [default: off].")
+@click.option("--kv-events-endpoint", default=None, help="Event PUB address [default: tcp://127.0.0.1:5557].")
+@click.option("--kv-events-replay-endpoint", default=None, help="Event replay ROUTER address [default: none].")
+@click.option("--kv-events-topic", default=None, help="Event topic [default: kv-events].")
+@click.option("--kv-events-encoding", type=click.Choice(["vllm", "vllm-legacy", "sglang"]), default=None,
+              help="Event wire encoding [default: vllm].")
+@click.option("--event-block-size", type=int, default=None,
+              help="Publish hashes per block of this many tokens (the engine's block size) [default: chunk size].")
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chunk_size, hash_algorithm,
-           l2_adapters, config_path, admin_token, lease_seconds, shared_memory, log_level) -> None:
+           l2_adapters, config_path, admin_token, lease_seconds, shared_memory, enable_kv_events,
+           kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_encoding, event_block_size,
+           log_level) -> None:
     """Run the kvtier cache server: ZMQ requests on --port, admin HTTP on --admin-port."""
     srv = {"host": host, "port": port, "admin_host": admin_host, "admin_port": admin_port,
            "admin_token": admin_token, "lease_seconds": lease_seconds, "shared_memory": shared_memory}
+    events = {"endpoint": kv_events_endpoint, "replay_endpoint": kv_events_replay_endpoint,
+              "topic": kv_events_topic, "encoding": kv_events_encoding, "event_block_size": event_block_size}
     overrides = {"l1_size_gb": l1_size_gb, "eviction_policy": eviction_policy, "chunk_size": chunk_size,
-                 "hash_algorithm": hash_algorithm, "server": srv}
+                 "hash_algorithm": hash_algorithm, "server": srv, "enable_kv_events": enable_kv_events,
+                 "kv_events": events}
     if l2_adapters:
         overrides["l2_adapters"] = [_adapter_spec(v) for v in l2_adapters]
     config = load_config(config_path, overrides)
@@ -96,6 +110,11 @@ def run(config, log_level: str = "INFO") -> None:
     log.info("kvtier server ready: requests %s, admin %s, L1 %d bytes (%s), shm %s, %d L2 adapter(s)",
              kv_server.endpoint, admin.url, kv_server.tiers.l1.capacity_bytes, config.eviction_policy,
              kv_server.shm_name or "off", len(kv_server.tiers.l2.adapters))
+    emitter = kv_server.tiers.events
+    if emitter is not None and emitter.publisher is not None:
+        log.info("KV cache events: publishing on %s (replay %s, topic %r, encoding %s)",
+                 emitter.publisher.endpoint, emitter.publisher.replay_endpoint or "off",
+                 config.kv_events.topic, config.kv_events.encoding)
     try:
         kv_server.serve_forever()
     finally:
