@@ -1,0 +1,148 @@
+"""The s3 adapter against real S3 servers (moto_server, SeaweedFS) on 127.0.0.1: startup faults, bucket and
+credential errors, out-of-band deletes, multipart uploads, and two servers sharing one bucket."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import services  # noqa: E402
+
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.hashing import prefix_hashes  # noqa: E402
+from kvtier.keys import ChunkKey  # noqa: E402
+from kvtier.l2.base import create_adapter  # noqa: E402
+from kvtier.l2.s3 import S3Config  # noqa: E402
+from kvtier.layout import KVLayout  # noqa: E402
+from kvtier.record import decode_record, encode_record  # noqa: E402
+
+pytestmark = pytest.mark.services
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64)
+
+
+def record(seed: int, layout: KVLayout = LAYOUT, num_tokens: int = 16, payload_seed: int | None = None):
+    """(name, parts, payload) of a real chunk record; ``payload_seed`` gives the same key another payload."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1000, 50_000, num_tokens).tolist()
+    key = ChunkKey("m", layout.layout_id, "", prefix_hashes(tokens, num_tokens)[0])
+    if payload_seed is not None:
+        rng = np.random.default_rng(payload_seed)
+    payload = rng.bytes(layout.chunk_bytes(num_tokens))
+    return key.name(), encode_record(key, layout, tokens, payload), payload
+
+
+def payload_of(buf) -> bytes:
+    return bytes(decode_record(buf)[1])
+
+
+def spec(s3: services.S3Service, **kw) -> dict:
+    return {"type": "s3", "bucket": "kvtier-it", "endpoint_url": s3.endpoint_url, "create": True,
+            "aws_access_key_id": s3.access_key_id, "aws_secret_access_key": s3.secret_access_key, **kw}
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    with services.moto_server(tmp_path_factory.mktemp("moto")) as s3:
+        yield s3
+
+
+def test_endpoint_down_at_startup_then_recovers(tmp_path):
+    port = services.free_port()
+    adapter = create_adapter({"type": "OBJ", "bucket": "kvtier-late", "endpoint_url": f"http://127.0.0.1:{port}",
+                              "create": True, "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+                              "retries": 0, "connect_timeout_s": 1, "retry_backoff_s": 0.1,
+                              "retry_backoff_max_s": 0.5})
+    try:
+        healthy, reason = adapter.health()
+        assert not healthy and "connect" in reason.lower()
+        name, parts, payload = record(1)
+        assert adapter.put([(name, parts)]) == [False]
+        assert adapter.get([name]) == [None] and adapter.contains([name]) == [False]
+        assert adapter.list_names() == [] and adapter.delete([name]) == 0
+        # it keeps retrying, with a backoff that doubles up to its bound, while the endpoint is down
+        services.wait_for(lambda: not adapter.health()[0] and adapter._link.num_attempts >= 4, 30, "retries")
+        assert adapter._link._delay_s == 0.5
+        with services.moto_server(tmp_path, port=port):
+            services.wait_for(lambda: adapter.health()[0], 30, "the s3 adapter to reconnect")
+            assert adapter.put([(name, parts)]) == [True]
+            assert payload_of(adapter.get([name])[0]) == payload
+    finally:
+        adapter.close()
+
+
+def test_missing_bucket_is_named_or_created(moto):
+    with pytest.raises(ConfigError, match="'kvtier-missing'.*does not exist.*create"):
+        create_adapter(spec(moto, bucket="kvtier-missing", create=False))
+    adapter = create_adapter(spec(moto, bucket="kvtier-created", create=True))
+    try:
+        assert "kvtier-created" in [b["Name"] for b in moto.client().list_buckets()["Buckets"]]
+        assert adapter.health() == (True, "ok")
+    finally:
+        adapter.close()
+
+
+def test_wrong_credentials_are_a_clear_error_without_the_secret(tmp_path, caplog):
+    secret = "s3cr3t-K3Y-do-not-show-0123456789"
+    caplog.set_level(logging.DEBUG)
+    with services.moto_server(tmp_path, auth=True) as s3:  # moto checks keys against its IAM: these do not exist
+        with pytest.raises(ConfigError) as info:
+            create_adapter(spec(s3, aws_access_key_id="AKIAWRONGKEY000000", aws_secret_access_key=secret))
+    message = str(info.value)
+    assert "'kvtier-it'" in message and "denied" in message and "credentials" in message
+    assert secret not in message and secret not in caplog.text
+    config = S3Config(type="s3", bucket="kvtier-it", aws_secret_access_key=secret)
+    assert secret not in repr(config) and secret not in str(config.model_dump())
+
+
+def test_record_deleted_out_of_band_is_a_miss(moto):
+    adapter = create_adapter(spec(moto, prefix="oob/"))
+    try:
+        name, parts, payload = record(2)
+        assert adapter.put([(name, parts)]) == [True]
+        moto.client().delete_object(Bucket="kvtier-it", Key="oob/" + name)
+        assert adapter.contains([name]) == [False]
+        assert adapter.get([name]) == [None]
+    finally:
+        adapter.close()
+
+
+def test_large_record_goes_multipart_and_round_trips(moto):
+    adapter = create_adapter(spec(moto, prefix="mp/", multipart_threshold_mb=5))
+    try:
+        layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2: 11.25 MiB per 256 tokens
+        name, parts, payload = record(3, layout, 256)
+        assert adapter.put([(name, parts)]) == [True]
+        etag = moto.client().head_object(Bucket="kvtier-it", Key="mp/" + name)["ETag"]
+        assert "-" in etag  # S3 ETags of multipart uploads end in -<number of parts>
+        assert payload_of(adapter.get([name])[0]) == payload
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("kind", ["moto", "seaweedfs"])
+def test_two_servers_share_one_bucket(kind, moto, tmp_path):
+    def run(s3):
+        first = create_adapter(spec(s3, prefix="shared/"))
+        second = create_adapter(spec(s3, prefix="shared/"))
+        try:
+            recs = [record(10 + i) for i in range(3)]
+            assert first.put([(n, p) for n, p, _ in recs]) == [True] * 3
+            names = [n for n, _, _ in recs]
+            assert second.contains(names) == [True] * 3
+            assert [payload_of(b) for b in second.get(names)] == [pl for _, _, pl in recs]
+            assert sorted(second.list_names()) == sorted(names)
+            assert second.delete(names[:1]) == 1
+            assert first.get(names[:1]) == [None]
+        finally:
+            first.close()
+            second.close()
+    if kind == "moto":
+        run(moto)
+    else:
+        with services.seaweedfs(tmp_path) as weed:
+            run(weed)
