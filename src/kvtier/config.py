@@ -180,10 +180,15 @@ def _from_lmcache(data: dict) -> dict:
     return out
 
 
+# KVTIER_* variables that are not configuration keys (tooling, tests, the model cache).
+NON_CONFIG_ENV = {"KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN", "KVTIER_MODEL_CACHE", "KVTIER_SERVICES_DIR",
+                  "KVTIER_AZURITE_BLOB", "KVTIER_VENV", "KVTIER_PYTHON", "KVTIER_FUZZ_MESSAGES"}
+
+
 def _env_overrides(environ: dict[str, str]) -> dict:
     out: dict = {}
     for name, value in environ.items():
-        if not name.startswith("KVTIER_") or name in ("KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN"):
+        if not name.startswith("KVTIER_") or name in NON_CONFIG_ENV:
             continue
         path = name[len("KVTIER_"):].lower().split("__")
         node = out

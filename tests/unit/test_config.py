@@ -32,7 +32,8 @@ def test_env_false_means_false_and_priority(tmp_path):
     cfg = load_config(f, overrides={"l1_size_gb": 4, "chunk_size": None},
                       environ={"KVTIER_L1_SIZE_GB": "3GB"})
     assert cfg.l1_size_gb == 4 and cfg.chunk_size == 128
-    cfg = load_config(environ={"KVTIER_CONFIG_FILE": str(f), "KVTIER_KV_EVENTS__TOPIC": "t"})
+    cfg = load_config(environ={"KVTIER_CONFIG_FILE": str(f), "KVTIER_KV_EVENTS__TOPIC": "t",
+                               "KVTIER_MODEL_CACHE": "/tmp/models"})
     assert cfg.chunk_size == 128 and cfg.kv_events.topic == "t"
 
 
@@ -75,3 +76,8 @@ def test_admin_token_is_secret():
     cfg = load_config(environ={"KVTIER_ADMIN_TOKEN": "hunter2"})
     assert cfg.server.admin_token.get_secret_value() == "hunter2"
     assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg.model_dump())
+
+
+def test_unknown_environment_key_is_named():
+    with pytest.raises(ConfigError, match="KVTIER_|l1_size|did you mean 'l1_size_gb'"):
+        load_config(environ={"KVTIER_L1_SIZE": "2"})

@@ -1,0 +1,238 @@
+"""Run a transformers causal LM with kvtier: reuse the KV of a known prefix, prefill only the rest.
+
+Flow of ``HFConnector.prefill``: ``lookup`` the prompt; ``retrieve`` the leading chunks; rebuild a
+``DynamicCache`` from them; run the model on the remaining tokens only (with ``past_key_values=`` and an
+explicit all-ones attention mask, the two pitfalls named in reference/engines-and-services.md §2);
+then ``store`` the prompt's full chunks so the next prompt with this prefix reuses them.
+
+Layouts: kvtier chunks are ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``; a ``DynamicCache``
+layer holds keys and values as ``[batch, num_kv_heads, num_tokens, head_dim]`` (batch is 1 here).
+
+At least one prompt token is always computed, because the first output token needs the logits of the
+last prompt token and kvtier stores KV, not logits. When every token of the prompt is stored (its length
+is a multiple of the chunk size and all chunks hit), the last token's KV is dropped from the rebuilt cache
+and that one token is recomputed; the result equals a full prefill.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvtier.errors import InputError, KVTierError
+from kvtier.hashing import as_token_array
+from kvtier.models import kv_layout_of
+
+
+def kv_to_dynamic_cache(kv: torch.Tensor, config) -> DynamicCache:
+    """Build a ``DynamicCache`` from kvtier KV.
+
+    Args:
+        kv: ``(num_layers, 2, n, num_kv_heads, head_dim)``; read through strided views and copied into the
+            cache's own per-layer tensors (``kv`` is not kept).
+        config: the model's transformers config (decides the per-layer cache type).
+
+    Returns:
+        a cache whose layer ``l`` holds keys ``kv[l, 0]`` and values ``kv[l, 1]`` as ``[1, heads, n, head_dim]``.
+    """
+    if kv.shape[2] == 0:
+        return DynamicCache(config=config)
+    # (L, 2, n, H, D) -> per layer [1, H, n, D]
+    per_layer = kv.transpose(2, 3).unsqueeze(2)  # (L, 2, 1, H, n, D)
+    return DynamicCache(ddp_cache_data=[(per_layer[i, 0], per_layer[i, 1]) for i in range(kv.shape[0])],
+                        config=config)
+
+
+def dynamic_cache_to_kv(cache: DynamicCache, num_tokens: int) -> torch.Tensor:
+    """Copy the first ``num_tokens`` tokens of a batch-1 ``DynamicCache`` into kvtier's layout.
+
+    Returns:
+        a new contiguous tensor ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)`` in the cache's dtype.
+    """
+    layers = cache.layers
+    _, heads, _, head_dim = layers[0].keys.shape
+    out = torch.empty((len(layers), 2, num_tokens, heads, head_dim), dtype=layers[0].keys.dtype)
+    for i, layer in enumerate(layers):
+        out[i, 0].copy_(layer.keys[0, :, :num_tokens].transpose(0, 1))  # [H, n, D] -> [n, H, D]
+        out[i, 1].copy_(layer.values[0, :, :num_tokens].transpose(0, 1))
+    return out
+
+
+def _chunk_size(cache) -> int | None:
+    """The cache's chunk size if it tells (KVCache: ``config.chunk_size``; server Client: ``info.chunk_size``
+    once its handshake is done), else None."""
+    for holder in (cache, getattr(cache, "config", None), getattr(cache, "info", None)):
+        size = getattr(holder, "chunk_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
+
+
+class HFConnector:
+    """A transformers causal LM whose prefill reuses KV through kvtier.
+
+    Args:
+        model: a loaded ``PreTrainedModel`` (decoder-only; full attention on every layer; batch 1).
+        cache: a ``kvtier.cache.KVCache`` or ``kvtier.server.Client``: anything with ``lookup(tokens) -> int``,
+            ``retrieve(tokens) -> (kv, n)`` and ``store(tokens, kv) -> int`` for this model's KV layout.
+        model_id: the model id the cache was opened with; checked against ``cache.model`` when both are known.
+
+    Raises:
+        InputError: the cache was opened for another model id or KV layout, or the model uses a
+            sliding-window / hybrid cache (not supported yet).
+    """
+
+    def __init__(self, model, cache, *, model_id: str | None = None):
+        self.model = model
+        self.cache = cache
+        self.layout = kv_layout_of(model)
+        self.model_id = model_id or getattr(cache, "model", None) or model.config.name_or_path
+        cache_model = getattr(cache, "model", None)
+        if model_id and isinstance(cache_model, str) and cache_model != model_id:
+            raise InputError(f"the cache was opened for model {cache_model!r}, not {model_id!r}; "
+                             "open one cache per model")
+        cache_layout = getattr(cache, "layout", None)
+        if cache_layout is not None and cache_layout != self.layout:
+            raise InputError(f"the cache's KV layout {cache_layout} does not match the model's {self.layout}; "
+                             "open the cache with kvtier.models.kv_layout_of(model)")
+        probe = DynamicCache(config=model.config)
+        if any(type(layer) is not DynamicLayer for layer in probe.layers):
+            raise InputError("this model uses sliding-window or hybrid cache layers, which HFConnector does not "
+                             "support yet; use a model with full attention on every layer")
+
+    def _tokens(self, input_ids) -> torch.Tensor:
+        """Validate one prompt (``[T]`` or ``[1, T]`` ints, T >= 1) and return it as a ``[1, T]`` long tensor."""
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise InputError("HFConnector takes one prompt at a time (batch 1); "
+                                 f"got shape {tuple(input_ids.shape)}")
+            input_ids = input_ids[0]
+        arr = as_token_array(input_ids)
+        if arr.size == 0:
+            raise InputError("the prompt is empty; pass at least one token id")
+        if int(arr.max()) >= self.model.config.vocab_size:
+            raise InputError(f"token id {int(arr.max())} is outside the model's vocabulary "
+                             f"(vocab_size {self.model.config.vocab_size}); tokenize with the model's tokenizer")
+        return torch.from_numpy(arr.copy()).unsqueeze(0)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids):
+        """Prefill one prompt, reusing stored KV for its leading chunks and storing its new full chunks.
+
+        Args:
+            input_ids: token ids ``[T]`` or ``[1, T]`` (list, numpy or torch), T >= 1.
+
+        Returns:
+            ``(logits_last, past_key_values, stats)``: ``logits_last`` ``[1, vocab_size]`` (model dtype) for
+            the last prompt token; ``past_key_values`` a ``DynamicCache`` holding all T tokens (continue
+            decoding from it); ``stats`` a dict: ``num_prompt_tokens``, ``num_hit_tokens`` (tokens whose KV
+            was reused, at most T - 1), ``num_computed_tokens``, ``num_stored_chunks``, and seconds
+            ``lookup_s``, ``retrieve_s``, ``prefill_s``, ``store_s``, ``ttft_s`` (call to logits ready; the
+            store runs after that and is not part of it).
+
+        Mutates: the cache (new chunks stored).
+
+        Raises:
+            InputError: bad token ids; KVTierError: the cache returned KV of the wrong shape or dtype.
+        """
+        started = time.perf_counter()
+        ids = self._tokens(input_ids)
+        tokens = ids[0]
+        num_prompt = ids.shape[1]
+
+        num_lookup = self.cache.lookup(tokens)
+        looked = time.perf_counter()
+        kv, num_retrieved = (None, 0)
+        if num_lookup > 0:
+            kv, num_retrieved = self.cache.retrieve(tokens)
+            num_retrieved = int(num_retrieved)
+            if num_retrieved > 0:
+                self._check_retrieved(kv, num_retrieved, num_prompt)
+        # keep at least one token to compute: its logits give the first output token
+        num_hit = min(num_retrieved, num_prompt - 1)
+        past = kv_to_dynamic_cache(kv[:, :, :num_hit] if num_hit else self._empty_kv(), self.model.config)
+        retrieved = time.perf_counter()
+
+        out = self.model(ids[:, num_hit:], past_key_values=past, attention_mask=torch.ones_like(ids),
+                         use_cache=True, logits_to_keep=1)
+        logits_last = out.logits[:, -1, :]
+        ready = time.perf_counter()
+
+        num_stored = self._store(tokens, out.past_key_values, num_retrieved)
+        stored = time.perf_counter()
+        stats = {
+            "num_prompt_tokens": num_prompt,
+            "num_hit_tokens": num_hit,
+            "num_computed_tokens": num_prompt - num_hit,
+            "num_stored_chunks": num_stored,
+            "lookup_s": looked - started,
+            "retrieve_s": retrieved - looked,
+            "prefill_s": ready - retrieved,
+            "store_s": stored - ready,
+            "ttft_s": ready - started,
+        }
+        return logits_last, out.past_key_values, stats
+
+    def _empty_kv(self) -> torch.Tensor:
+        return torch.empty(self.layout.chunk_shape(0), dtype=self.model.dtype)
+
+    def _check_retrieved(self, kv, num_tokens: int, num_prompt: int) -> None:
+        """Refuse KV that does not fit: using it would silently corrupt the output."""
+        if not isinstance(kv, torch.Tensor):
+            raise KVTierError(f"the cache returned {type(kv).__name__}, not a torch tensor")
+        fits = tuple(kv.shape) == self.layout.chunk_shape(num_tokens) and kv.dtype == self.model.dtype
+        if num_tokens > num_prompt or not fits:
+            raise KVTierError(f"the cache returned KV of shape {tuple(kv.shape)} and dtype {kv.dtype} for "
+                              f"{num_tokens} tokens of a {num_prompt}-token prompt; expected "
+                              f"{self.layout.chunk_shape(num_tokens)} in {self.model.dtype}")
+
+    def _store(self, tokens: torch.Tensor, past: DynamicCache, num_retrieved: int) -> int:
+        """Store the prompt's KV; skipped when every full chunk was just retrieved."""
+        num_prompt = tokens.shape[0]
+        chunk_size = _chunk_size(self.cache)  # a client learns it at its (re)connection handshake
+        if chunk_size is not None:
+            # only full chunks are keys; the cache skips chunks it has, but building their KV costs a copy
+            end = num_prompt - num_prompt % chunk_size
+            if end <= num_retrieved:
+                return 0
+            tokens = tokens[:end]
+        return int(self.cache.store(tokens, dynamic_cache_to_kv(past, tokens.shape[0])))
+
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int = 32, eos_token_id=None):
+        """Greedy decoding after a kvtier-backed prefill.
+
+        Args:
+            input_ids: one prompt, ``[T]`` or ``[1, T]`` token ids.
+            max_new_tokens: upper bound on generated tokens (>= 1).
+            eos_token_id: int or list of ints that stop decoding (included in the output); default the
+                model's ``generation_config.eos_token_id``.
+
+        Returns:
+            ``(output_ids, stats)``: ``output_ids`` ``[1, T + num_new]`` long (prompt then new tokens, like
+            ``model.generate``); ``stats`` = ``prefill``'s stats plus ``num_new_tokens`` and ``decode_s``.
+
+        Raises:
+            InputError: bad token ids or ``max_new_tokens`` < 1.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if eos_token_id is None:
+            eos_token_id = self.model.generation_config.eos_token_id
+        stop = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        ids = self._tokens(input_ids)
+        logits, past, stats = self.prefill(ids)
+        started = time.perf_counter()
+        new = [int(logits.argmax(-1))]
+        while len(new) < max_new_tokens and new[-1] not in stop:
+            length = ids.shape[1] + len(new)
+            out = self.model(torch.tensor([[new[-1]]]), past_key_values=past,
+                             attention_mask=torch.ones((1, length), dtype=torch.long), use_cache=True)
+            past = out.past_key_values
+            new.append(int(out.logits[0, -1].argmax(-1)))
+        stats["num_new_tokens"] = len(new)
+        stats["decode_s"] = time.perf_counter() - started
+        return torch.cat([ids, torch.tensor([new])], dim=1), stats

@@ -1,0 +1,55 @@
+"""``kvtier demo`` end to end: the real model, a real second process, the JSON summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.demo import find_document
+from kvtier.errors import KVTierError
+
+FIELDS = ("cold_ttft_s", "warm_ttft_s", "cross_process_ttft_s", "num_prompt_tokens", "num_hit_tokens",
+          "outputs_identical")
+
+
+@pytest.mark.model
+def test_demo_json_reuses_the_document_in_process_and_across_processes():
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--json", "--rounds", "2", "--max-new-tokens", "8"],
+                          check=False, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(summary) == set(FIELDS)
+    assert summary["outputs_identical"] is True
+    assert summary["num_prompt_tokens"] >= 2000
+    # every full chunk of the shared document prefix is reused (chunk size 256)
+    assert 0 < summary["num_hit_tokens"] <= summary["num_prompt_tokens"] - 1
+    assert summary["num_hit_tokens"] % 256 == 0 and summary["num_hit_tokens"] >= summary["num_prompt_tokens"] - 256
+    for key in ("cold_ttft_s", "warm_ttft_s", "cross_process_ttft_s"):
+        assert isinstance(summary[key], float) and summary[key] > 0
+
+
+def test_demo_with_a_missing_document_says_what_to_do(tmp_path):
+    missing = tmp_path / "nothing.txt"
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--document", str(missing)],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--document" in proc.stderr and str(missing) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_no_default_document_is_a_clear_error(tmp_path):
+    with pytest.raises(KVTierError, match="pass --document"):
+        find_document(None, defaults=[tmp_path / "GPL-3"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("x")
+    assert find_document(str(empty)) == empty
+
+
+def test_events_need_the_in_process_cache():
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--events", "--server", "tcp://127.0.0.1:1"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--server off" in proc.stderr and "Traceback" not in proc.stderr
