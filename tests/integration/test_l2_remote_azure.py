@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from azure.storage.blob import BlobServiceClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import services  # noqa: E402
+import test_l2_remote_s3 as common  # noqa: E402 - the record helpers and checks all remote adapters share
 from test_l2_remote_s3 import payload_of, record  # noqa: E402
 
 from kvtier.errors import ConfigError  # noqa: E402
@@ -41,33 +43,19 @@ def test_endpoint_down_at_startup_then_recovers(tmp_path):
     port = services.free_port()
     conn = (f"DefaultEndpointsProtocol=http;AccountName={services.AZURITE_ACCOUNT};"
             f"AccountKey={services.AZURITE_KEY};BlobEndpoint=http://127.0.0.1:{port}/{services.AZURITE_ACCOUNT};")
-    adapter = create_adapter({"type": "AZURE_BLOB", "container": "kvtier-late", "create": True,
-                              "connection_string": conn, "retries": 0, "connect_timeout_s": 1,
-                              "retry_backoff_s": 0.1, "retry_backoff_max_s": 0.5})
-    try:
-        healthy, reason = adapter.health()
-        assert not healthy and reason != "ok"
-        assert services.AZURITE_KEY not in reason
-        name, parts, payload = record(1)
-        assert adapter.put([(name, parts)]) == [False]
-        assert adapter.get([name]) == [None] and adapter.contains([name]) == [False]
-        services.wait_for(lambda: not adapter.health()[0] and adapter._link.num_attempts >= 4, 30, "retries")
+    with closing(create_adapter({"type": "AZURE_BLOB", "container": "kvtier-late", "create": True,
+                                 "connection_string": conn, **common.FAST_RETRY})) as adapter:
+        reason = common.check_misses_while_down(adapter)
+        assert reason != "ok" and services.AZURITE_KEY not in reason
         with services.azurite(tmp_path, port=port):
-            services.wait_for(lambda: adapter.health()[0], 30, "the azure adapter to reconnect")
-            assert adapter.put([(name, parts)]) == [True]
-            assert payload_of(adapter.get([name])[0]) == payload
-    finally:
-        adapter.close()
+            common.check_reconnects(adapter, "azure")
 
 
 def test_missing_container_is_named_or_created(azurite):
     with pytest.raises(ConfigError, match="'kvtier-missing'.*does not exist.*create"):
         create_adapter(spec(azurite, container="kvtier-missing", create=False))
-    adapter = create_adapter(spec(azurite, container="kvtier-created"))
-    try:
+    with closing(create_adapter(spec(azurite, container="kvtier-created"))):
         assert raw(azurite).get_container_client("kvtier-created").exists()
-    finally:
-        adapter.close()
 
 
 def test_wrong_key_is_a_clear_error_without_the_secret(azurite, caplog):
@@ -90,54 +78,32 @@ def test_wrong_key_is_a_clear_error_without_the_secret(azurite, caplog):
 
 
 def test_account_url_with_key_works(azurite):
-    adapter = create_adapter({"type": "azure_blob", "container": "kvtier-key", "create": True,
-                              "account_url": azurite.account_url, "account_name": services.AZURITE_ACCOUNT,
-                              "credential": services.AZURITE_KEY})
-    try:
-        name, parts, payload = record(5)
-        assert adapter.put([(name, parts)]) == [True]
-        assert payload_of(adapter.get([name])[0]) == payload
-    finally:
-        adapter.close()
+    with closing(create_adapter({"type": "azure_blob", "container": "kvtier-key", "create": True,
+                                 "account_url": azurite.account_url, "account_name": services.AZURITE_ACCOUNT,
+                                 "credential": services.AZURITE_KEY})) as adapter:
+        common.round_trip(adapter, 5)
 
 
 def test_record_deleted_out_of_band_is_a_miss(azurite):
-    adapter = create_adapter(spec(azurite, prefix="oob/"))
-    try:
+    with closing(create_adapter(spec(azurite, prefix="oob/"))) as adapter:
         name, parts, _ = record(2)
         assert adapter.put([(name, parts)]) == [True]
         raw(azurite).get_container_client("kvtier-it").delete_blob("oob/" + name)
         assert adapter.contains([name]) == [False]
         assert adapter.get([name]) == [None]
-    finally:
-        adapter.close()
 
 
 def test_large_record_goes_in_blocks_and_round_trips(azurite):
-    adapter = create_adapter(spec(azurite, prefix="blocks/", max_single_put_mb=4))
-    try:
+    with closing(create_adapter(spec(azurite, prefix="blocks/", max_single_put_mb=4))) as adapter:
         name, parts, payload = record(3, KVLayout(num_layers=30, num_kv_heads=3, head_dim=64), 256)
         assert adapter.put([(name, parts)]) == [True]
         blob = raw(azurite).get_container_client("kvtier-it").get_blob_client("blocks/" + name)
         committed, _ = blob.get_block_list("committed")
         assert len(committed) >= 2  # uploaded as blocks, made visible by one Put Block List
         assert payload_of(adapter.get([name])[0]) == payload
-    finally:
-        adapter.close()
 
 
 def test_two_servers_share_one_container(azurite):
-    first = create_adapter(spec(azurite, prefix="shared/"))
-    second = create_adapter(spec(azurite, prefix="shared/"))
-    try:
-        recs = [record(10 + i) for i in range(3)]
-        names = [n for n, _, _ in recs]
-        assert first.put([(n, p) for n, p, _ in recs]) == [True] * 3
-        assert second.contains(names) == [True] * 3
-        assert [payload_of(b) for b in second.get(names)] == [pl for _, _, pl in recs]
-        assert sorted(second.list_names()) == sorted(names)
-        assert second.delete(names[:1]) == 1
-        assert first.get(names[:1]) == [None]
-    finally:
-        first.close()
-        second.close()
+    with (closing(create_adapter(spec(azurite, prefix="shared/"))) as first,
+          closing(create_adapter(spec(azurite, prefix="shared/"))) as second):
+        common.check_shared(first, second, [record(10 + i) for i in range(3)])

@@ -8,12 +8,14 @@ import logging
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import services  # noqa: E402
+import test_l2_remote_s3 as common  # noqa: E402 - the record helpers and checks all remote adapters share
 from test_l2_remote_s3 import payload_of, record  # noqa: E402
 
 from kvtier.errors import ConfigError, StorageError  # noqa: E402
@@ -39,19 +41,11 @@ def cluster(tmp_path_factory):
 
 def test_server_down_at_startup_then_recovers(tmp_path):
     port = services.free_port()
-    adapter = create_adapter({"type": "redis", "url": f"redis://127.0.0.1:{port}/0", "retries": 0,
-                              "connect_timeout_s": 1, "retry_backoff_s": 0.1, "retry_backoff_max_s": 0.5})
-    try:
-        healthy, reason = adapter.health()
-        assert not healthy and "connect" in reason.lower()
-        name, parts, payload = record(1)
-        assert adapter.put([(name, parts)]) == [False]
-        assert adapter.get([name]) == [None] and adapter.contains([name]) == [False]
-        services.wait_for(lambda: not adapter.health()[0] and adapter._link.num_attempts >= 4, 30, "retries")
+    spec = {"type": "redis", "url": f"redis://127.0.0.1:{port}/0", **common.FAST_RETRY}
+    with closing(create_adapter(spec)) as adapter:
+        assert "connect" in common.check_misses_while_down(adapter).lower()
         with services.redis_server(tmp_path, port=port) as server:
-            services.wait_for(lambda: adapter.health()[0], 30, "the redis adapter to reconnect")
-            assert adapter.put([(name, parts)]) == [True]
-            assert payload_of(adapter.get([name])[0]) == payload
+            name = common.check_reconnects(adapter, "redis")
             # the server goes away mid-run: a StorageError (the tier's miss), then unhealthy, then back
             server.stop()
             with pytest.raises(StorageError, match="get"):
@@ -60,8 +54,6 @@ def test_server_down_at_startup_then_recovers(tmp_path):
         with services.redis_server(tmp_path, port=port):
             services.wait_for(lambda: adapter.health()[0], 30, "the redis adapter to reconnect again")
             assert adapter.get([name]) == [None]  # a fresh server without persistence: a miss, not an error
-    finally:
-        adapter.close()
 
 
 def test_wrong_password_is_a_clear_error_without_the_secret(tmp_path, caplog):
@@ -84,13 +76,9 @@ def test_wrong_password_is_a_clear_error_without_the_secret(tmp_path, caplog):
 def test_tls_rediss_url(tmp_path, caplog):
     with services.redis_server(tmp_path, tls=True) as server:
         assert server.url.startswith("rediss://")
-        adapter = create_adapter({"type": "redis", "url": server.url, "tls_ca_file": server.tls_ca_file})
-        try:
-            name, parts, payload = record(7)
-            assert adapter.put([(name, parts)]) == [True]
-            assert payload_of(adapter.get([name])[0]) == payload
-        finally:
-            adapter.close()
+        spec = {"type": "redis", "url": server.url, "tls_ca_file": server.tls_ca_file}
+        with closing(create_adapter(spec)) as adapter:
+            common.round_trip(adapter, 7)
         with pytest.raises(ConfigError, match="TLS certificate.*tls_ca_file"):  # the system CAs do not trust it
             create_adapter({"type": "redis", "url": server.url})
         plain = create_adapter({"type": "redis", "url": f"redis://127.0.0.1:{server.port}/0", "retries": 0,
@@ -105,14 +93,11 @@ def test_bad_url_scheme_is_refused():
 
 
 def test_record_deleted_out_of_band_is_a_miss(redis_server):
-    adapter = create_adapter({"type": "redis", "url": redis_server.url, "prefix": "oob:"})
-    try:
+    with closing(create_adapter({"type": "redis", "url": redis_server.url, "prefix": "oob:"})) as adapter:
         name, parts, _ = record(2)
         assert adapter.put([(name, parts)]) == [True]
         assert redis_server.client().delete(f"oob:{{{name}}}") == 1
         assert adapter.contains([name]) == [False] and adapter.get([name]) == [None]
-    finally:
-        adapter.close()
 
 
 def test_large_record_is_split_and_reassembled(redis_server):
@@ -197,19 +182,9 @@ def test_two_servers_share_one_store(kind, cluster, tmp_path):
     def run(url: str, is_cluster: bool):
         spec = {"type": "valkey" if kind == "valkey" else "redis", "url": url, "cluster": is_cluster,
                 "prefix": "shared:", "max_value_bytes": 1 << 20}
-        first, second = create_adapter(spec), create_adapter(spec)
-        try:
+        with closing(create_adapter(spec)) as first, closing(create_adapter(spec)) as second:
             recs = [record(40 + i) for i in range(3)] + [record(50, BIG, 256)]  # the last one is split
-            names = [n for n, _, _ in recs]
-            assert first.put([(n, p) for n, p, _ in recs]) == [True] * 4
-            assert second.contains(names) == [True] * 4
-            assert [payload_of(b) for b in second.get(names)] == [pl for _, _, pl in recs]
-            assert sorted(second.list_names()) == sorted(names)
-            assert second.usage().num_records == 4
-            assert second.delete(names[-1:]) == 1 and first.get(names[-1:]) == [None]
-        finally:
-            first.close()
-            second.close()
+            common.check_shared(first, second, recs)
     if kind == "cluster":
         run(cluster.url, True)
     else:

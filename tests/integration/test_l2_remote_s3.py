@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,50 @@ def payload_of(buf) -> bytes:
     return bytes(decode_record(buf)[1])
 
 
+# spec fields that make an adapter whose service is down fail fast and retry often
+FAST_RETRY = {"retries": 0, "connect_timeout_s": 1, "retry_backoff_s": 0.1, "retry_backoff_max_s": 0.5}
+
+
+def round_trip(adapter, seed: int = 1) -> str:
+    """Puts ``record(seed)``, checks its payload reads back, and returns its name."""
+    name, parts, payload = record(seed)
+    assert adapter.put([(name, parts)]) == [True]
+    assert payload_of(adapter.get([name])[0]) == payload
+    return name
+
+
+def check_misses_while_down(adapter) -> str:
+    """An adapter (made with FAST_RETRY) whose service is down answers every operation as a miss and keeps
+    retrying, with a backoff that doubles up to its bound. Returns the reason its first ``health()`` gave."""
+    healthy, reason = adapter.health()
+    assert not healthy
+    name, parts, _ = record(1)
+    assert adapter.put([(name, parts)]) == [False]
+    assert adapter.get([name]) == [None] and adapter.contains([name]) == [False]
+    assert adapter.list_names() == [] and adapter.delete([name]) == 0
+    services.wait_for(lambda: not adapter.health()[0] and adapter._link.num_attempts >= 4, 30, "retries")
+    assert adapter._link._delay_s == 0.5
+    return reason
+
+
+def check_reconnects(adapter, what: str) -> str:
+    """Once the service is up the adapter turns healthy and round-trips ``record(1)``; returns its name."""
+    services.wait_for(lambda: adapter.health()[0], 30, f"the {what} adapter to reconnect")
+    return round_trip(adapter)
+
+
+def check_shared(first, second, recs) -> None:
+    """Records put through ``first`` are seen, read, listed and counted through ``second``; the last one,
+    deleted through ``second``, is gone for ``first``."""
+    names = [n for n, _, _ in recs]
+    assert first.put([(n, p) for n, p, _ in recs]) == [True] * len(recs)
+    assert second.contains(names) == [True] * len(recs)
+    assert [payload_of(b) for b in second.get(names)] == [pl for _, _, pl in recs]
+    assert sorted(second.list_names()) == sorted(names)
+    assert second.usage().num_records == len(recs)
+    assert second.delete(names[-1:]) == 1 and first.get(names[-1:]) == [None]
+
+
 def spec(s3: services.S3Service, **kw) -> dict:
     return {"type": "s3", "bucket": "kvtier-it", "endpoint_url": s3.endpoint_url, "create": True,
             "aws_access_key_id": s3.access_key_id, "aws_secret_access_key": s3.secret_access_key, **kw}
@@ -53,37 +98,20 @@ def moto(tmp_path_factory):
 
 def test_endpoint_down_at_startup_then_recovers(tmp_path):
     port = services.free_port()
-    adapter = create_adapter({"type": "OBJ", "bucket": "kvtier-late", "endpoint_url": f"http://127.0.0.1:{port}",
-                              "create": True, "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
-                              "retries": 0, "connect_timeout_s": 1, "retry_backoff_s": 0.1,
-                              "retry_backoff_max_s": 0.5})
-    try:
-        healthy, reason = adapter.health()
-        assert not healthy and "connect" in reason.lower()
-        name, parts, payload = record(1)
-        assert adapter.put([(name, parts)]) == [False]
-        assert adapter.get([name]) == [None] and adapter.contains([name]) == [False]
-        assert adapter.list_names() == [] and adapter.delete([name]) == 0
-        # it keeps retrying, with a backoff that doubles up to its bound, while the endpoint is down
-        services.wait_for(lambda: not adapter.health()[0] and adapter._link.num_attempts >= 4, 30, "retries")
-        assert adapter._link._delay_s == 0.5
+    with closing(create_adapter({"type": "OBJ", "bucket": "kvtier-late", "endpoint_url": f"http://127.0.0.1:{port}",
+                                 "create": True, "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+                                 **FAST_RETRY})) as adapter:
+        assert "connect" in check_misses_while_down(adapter).lower()
         with services.moto_server(tmp_path, port=port):
-            services.wait_for(lambda: adapter.health()[0], 30, "the s3 adapter to reconnect")
-            assert adapter.put([(name, parts)]) == [True]
-            assert payload_of(adapter.get([name])[0]) == payload
-    finally:
-        adapter.close()
+            check_reconnects(adapter, "s3")
 
 
 def test_missing_bucket_is_named_or_created(moto):
     with pytest.raises(ConfigError, match="'kvtier-missing'.*does not exist.*create"):
         create_adapter(spec(moto, bucket="kvtier-missing", create=False))
-    adapter = create_adapter(spec(moto, bucket="kvtier-created", create=True))
-    try:
+    with closing(create_adapter(spec(moto, bucket="kvtier-created", create=True))) as adapter:
         assert "kvtier-created" in [b["Name"] for b in moto.client().list_buckets()["Buckets"]]
         assert adapter.health() == (True, "ok")
-    finally:
-        adapter.close()
 
 
 def test_wrong_credentials_are_a_clear_error_without_the_secret(tmp_path, caplog):
@@ -100,47 +128,30 @@ def test_wrong_credentials_are_a_clear_error_without_the_secret(tmp_path, caplog
 
 
 def test_record_deleted_out_of_band_is_a_miss(moto):
-    adapter = create_adapter(spec(moto, prefix="oob/"))
-    try:
-        name, parts, payload = record(2)
+    with closing(create_adapter(spec(moto, prefix="oob/"))) as adapter:
+        name, parts, _ = record(2)
         assert adapter.put([(name, parts)]) == [True]
         moto.client().delete_object(Bucket="kvtier-it", Key="oob/" + name)
         assert adapter.contains([name]) == [False]
         assert adapter.get([name]) == [None]
-    finally:
-        adapter.close()
 
 
 def test_large_record_goes_multipart_and_round_trips(moto):
-    adapter = create_adapter(spec(moto, prefix="mp/", multipart_threshold_mb=5))
-    try:
+    with closing(create_adapter(spec(moto, prefix="mp/", multipart_threshold_mb=5))) as adapter:
         layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2: 11.25 MiB per 256 tokens
         name, parts, payload = record(3, layout, 256)
         assert adapter.put([(name, parts)]) == [True]
         etag = moto.client().head_object(Bucket="kvtier-it", Key="mp/" + name)["ETag"]
         assert "-" in etag  # S3 ETags of multipart uploads end in -<number of parts>
         assert payload_of(adapter.get([name])[0]) == payload
-    finally:
-        adapter.close()
 
 
 @pytest.mark.parametrize("kind", ["moto", "seaweedfs"])
 def test_two_servers_share_one_bucket(kind, moto, tmp_path):
     def run(s3):
-        first = create_adapter(spec(s3, prefix="shared/"))
-        second = create_adapter(spec(s3, prefix="shared/"))
-        try:
-            recs = [record(10 + i) for i in range(3)]
-            assert first.put([(n, p) for n, p, _ in recs]) == [True] * 3
-            names = [n for n, _, _ in recs]
-            assert second.contains(names) == [True] * 3
-            assert [payload_of(b) for b in second.get(names)] == [pl for _, _, pl in recs]
-            assert sorted(second.list_names()) == sorted(names)
-            assert second.delete(names[:1]) == 1
-            assert first.get(names[:1]) == [None]
-        finally:
-            first.close()
-            second.close()
+        with (closing(create_adapter(spec(s3, prefix="shared/"))) as first,
+              closing(create_adapter(spec(s3, prefix="shared/"))) as second):
+            check_shared(first, second, [record(10 + i) for i in range(3)])
     if kind == "moto":
         run(moto)
     else:

@@ -9,18 +9,21 @@ the container at connect time; ``contains`` asks the service, so other servers' 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import pydantic
 from azure.core.credentials import AzureNamedKeyCredential
-from azure.core.exceptions import (ClientAuthenticationError, HttpResponseError, ResourceExistsError,
-                                   ResourceNotFoundError, ServiceRequestError, ServiceResponseError)
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
 from azure.storage.blob import BlobServiceClient, LinearRetry
 
-from kvtier.errors import ConfigError, StorageError
-from kvtier.l2.base import Buffer, L2Adapter, Usage
-from kvtier.l2.remote import Reconnector, RemoteConfig, describe, join_parts, scrubber
+from kvtier.errors import ConfigError
+from kvtier.l2.remote import RemoteAdapter, RemoteConfig, join_parts
 
 log = logging.getLogger("kvtier.l2.azure_blob")
 _MiB = 1 << 20
@@ -59,7 +62,7 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, (ServiceRequestError, ServiceResponseError))
 
 
-class AzureBlobAdapter(L2Adapter):
+class AzureBlobAdapter(RemoteAdapter):
     """Records as block blobs in one container. Thread-safe; batches run ``max_connections`` requests at a time.
 
     Raises:
@@ -71,17 +74,16 @@ class AzureBlobAdapter(L2Adapter):
     config_class = AzureBlobConfig
 
     def __init__(self, config: AzureBlobConfig):
-        super().__init__(config)
-        self.config: AzureBlobConfig = config
         secret = config.credential.get_secret_value() if config.credential else None
         conn = config.connection_string.get_secret_value() if config.connection_string else None
         secrets = [secret, conn] + [kv.split("=", 1)[1] for kv in (conn or "").split(";")
                                     if kv.lower().startswith(("accountkey=", "sharedaccesssignature="))]
-        self._scrub = scrubber(secrets)
+        super().__init__(config, secrets)
+        self.config: AzureBlobConfig = config
         # the SDK's own transport: a custom requests session measured 2-3x slower on downloads
-        kwargs = dict(retry_policy=LinearRetry(backoff=0.2, random_jitter_range=0.1, retry_total=config.retries),
-                      connection_timeout=config.connect_timeout_s, read_timeout=config.read_timeout_s,
-                      max_single_put_size=int(config.max_single_put_mb * _MiB), max_block_size=8 * _MiB)
+        kwargs = {"retry_policy": LinearRetry(backoff=0.2, random_jitter_range=0.1, retry_total=config.retries),
+                  "connection_timeout": config.connect_timeout_s, "read_timeout": config.read_timeout_s,
+                  "max_single_put_size": int(config.max_single_put_mb * _MiB), "max_block_size": 8 * _MiB}
         try:
             if conn is not None:
                 service = BlobServiceClient.from_connection_string(conn, **kwargs)
@@ -92,11 +94,7 @@ class AzureBlobAdapter(L2Adapter):
             raise ConfigError(f"L2 {self.label}: bad Azure endpoint or credential: {self._scrub(str(exc))}") from None
         self._service = service
         self._container = service.get_container_client(config.container)
-        self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix=f"kvtier-{self.label}")
-        self._index: dict[str, int] = {}
-        self._link = Reconnector(self.label, self._connect, _transient, config.retry_backoff_s,
-                                 config.retry_backoff_max_s, self._scrub)
-        self._link.start()
+        self._start(_transient)
 
     def __repr__(self) -> str:
         return f"AzureBlobAdapter(container={self.config.container!r}, prefix={self.config.prefix!r})"
@@ -120,7 +118,6 @@ class AzureBlobAdapter(L2Adapter):
                                   f"({getattr(exc, 'error_code', None) or exc.status_code}); check the credential "
                                   "or connection string") from None
             raise
-        self._index = self._list()
 
     def _list(self) -> dict[str, int]:
         prefix = self.config.prefix
@@ -131,25 +128,7 @@ class AzureBlobAdapter(L2Adapter):
                 found[name] = int(blob.size)
         return found
 
-    def _run(self, op: str, fn, items) -> list:
-        futures = [self._pool.submit(fn, item) for item in items]
-        results, first_error = [], None
-        for fut in futures:
-            try:
-                results.append(fut.result())
-            except Exception as exc:  # noqa: BLE001 - reported below as one StorageError
-                results.append(None)
-                first_error = first_error or exc
-        if first_error is not None:
-            self._link.failed(first_error)
-            raise StorageError(f"L2 {self.label}: {op} failed: {self._scrub(describe(first_error))}") from None
-        return results
-
-    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        if not self._link.ready():
-            return [False] * len(items)
-        return self._run("put", self._put_one, items)
-
+    # per-record requests, fanned out by RemoteAdapter._run
     def _put_one(self, item) -> bool:
         name, parts = item
         data = join_parts(parts)
@@ -159,11 +138,6 @@ class AzureBlobAdapter(L2Adapter):
         self._index[name] = len(data)
         return True
 
-    def get(self, names: Sequence[str]) -> list[Buffer | None]:
-        if not self._link.ready():
-            return [None] * len(names)
-        return self._run("get", self._get_one, names)
-
     def _get_one(self, name: str) -> bytes | None:
         try:
             return self._container.download_blob(self.config.prefix + name, max_concurrency=4).readall()
@@ -171,12 +145,7 @@ class AzureBlobAdapter(L2Adapter):
             self._index.pop(name, None)
             return None
 
-    def contains(self, names: Sequence[str]) -> list[bool]:
-        if not self._link.ready():
-            return [False] * len(names)
-        return self._run("contains", self._exists, names)
-
-    def _exists(self, name: str) -> bool:
+    def _contains_one(self, name: str) -> bool:
         try:
             props = self._container.get_blob_client(self.config.prefix + name).get_blob_properties()
         except ResourceNotFoundError:
@@ -184,11 +153,6 @@ class AzureBlobAdapter(L2Adapter):
             return False
         self._index[name] = int(props.size)
         return True
-
-    def delete(self, names: Sequence[str]) -> int:
-        if not names or not self._link.ready():
-            return 0
-        return sum(self._run("delete", self._delete_one, list(dict.fromkeys(names))))
 
     def _delete_one(self, name: str) -> bool:
         self._index.pop(name, None)
@@ -198,24 +162,6 @@ class AzureBlobAdapter(L2Adapter):
             return False
         return True
 
-    def list_names(self) -> list[str]:
-        if not self._link.ready():
-            return []
-        try:
-            self._index = self._list()
-        except Exception as exc:  # noqa: BLE001
-            self._link.failed(exc)
-            raise StorageError(f"L2 {self.label}: list failed: {self._scrub(describe(exc))}") from None
-        return list(self._index)
-
-    def usage(self) -> Usage:
-        """Bytes and records this server has listed or written (other writers show up after ``list_names``)."""
-        sizes = list(self._index.values())
-        return Usage(used_bytes=sum(sizes), num_records=len(sizes))
-
-    def health(self) -> tuple[bool, str]:
-        return self._link.health()
-
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        super().close()
         self._service.close()

@@ -29,8 +29,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError, StorageError
-from kvtier.l2.base import Buffer, L2Adapter, Usage
-from kvtier.l2.remote import Reconnector, RemoteConfig, describe, scrubber
+from kvtier.l2.base import Buffer
+from kvtier.l2.remote import RemoteAdapter, RemoteConfig, describe
 
 log = logging.getLogger("kvtier.l2.redis")
 
@@ -76,7 +76,7 @@ def _is_auth(exc: BaseException) -> bool:
         isinstance(exc, rexc.ResponseError) and text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")))
 
 
-class RedisAdapter(L2Adapter):
+class RedisAdapter(RemoteAdapter):
     """Records as Redis string values. Thread-safe (redis-py clients are).
 
     Raises:
@@ -88,29 +88,25 @@ class RedisAdapter(L2Adapter):
     config_class = RedisConfig
 
     def __init__(self, config: RedisConfig):
-        super().__init__(config)
-        self.config: RedisConfig = config
         url = config.url.get_secret_value()
         parts = urllib.parse.urlsplit(url)
-        self._where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
         password = config.password.get_secret_value() if config.password else None
-        self._scrub = scrubber([password, parts.password, url])
+        super().__init__(config, [password, parts.password, url])
+        self.config: RedisConfig = config
+        self._where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
-        self._index: dict[str, int] = {}
         self._px = int(config.ttl_s * 1000) if config.ttl_s else None
         self._part_bytes = config.max_value_bytes
-        self._link = Reconnector(self.label, self._connect, _transient, config.retry_backoff_s,
-                                 config.retry_backoff_max_s, self._scrub)
-        self._link.start()
+        self._start(_transient)
 
     def __repr__(self) -> str:
         return f"RedisAdapter({self._where}, cluster={self.config.cluster}, prefix={self.config.prefix!r})"
 
     def _connect(self) -> None:
         cfg = self.config
-        kwargs = dict(socket_timeout=cfg.socket_timeout_s, socket_connect_timeout=cfg.connect_timeout_s,
-                      retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), cfg.retries),
-                      max_connections=cfg.max_connections)
+        kwargs = {"socket_timeout": cfg.socket_timeout_s, "socket_connect_timeout": cfg.connect_timeout_s,
+                  "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), cfg.retries),
+                  "max_connections": cfg.max_connections}
         if cfg.password is not None:
             kwargs["password"] = cfg.password.get_secret_value()
         if cfg.tls_ca_file is not None:
@@ -133,7 +129,6 @@ class RedisAdapter(L2Adapter):
                 raise ConfigError(f"L2 {self.label}: the TLS certificate of {self._where} is not trusted; set "
                                   "'tls_ca_file' to the CA that signed it") from None
             raise  # a cluster client that failed to build stays None and is built again on the next try
-        self._index = self._scan()
 
     # helpers
     def _key(self, name: str) -> str:
@@ -205,10 +200,8 @@ class RedisAdapter(L2Adapter):
         self._drop_old([(name, head) for (name, _), head in zip(pairs, heads)])
         return heads
 
-    # contract
-    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        if not self._link.ready():
-            return [False] * len(items)
+    # batch hooks, called by RemoteAdapter once the link is ready
+    def _put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         whole, sizes = [], {}
         for name, parts in items:
             size = sum(memoryview(p).nbytes for p in parts)
@@ -239,9 +232,7 @@ class RedisAdapter(L2Adapter):
         manifest = _MANIFEST + _MANIFEST_FMT.pack(size, step, xxhash.xxh3_64_intdigest(data), write_id.encode())
         self._replace("put manifest", [(name, manifest)])
 
-    def get(self, names: Sequence[str]) -> list[Buffer | None]:
-        if not self._link.ready():
-            return [None] * len(names)
+    def _get(self, names: Sequence[str]) -> list[Buffer | None]:
         try:
             if len(names) == 1:
                 key = self._key(names[0])
@@ -291,17 +282,12 @@ class RedisAdapter(L2Adapter):
             return None
         return data
 
-    def contains(self, names: Sequence[str]) -> list[bool]:
-        if not self._link.ready():
-            return [False] * len(names)
+    def _contains(self, names: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._execute("contains", lambda p: [p.exists(self._key(n)) for n in names])]
 
-    def delete(self, names: Sequence[str]) -> int:
-        if not names or not self._link.ready():
-            return 0
-        unique = list(dict.fromkeys(names))
-        heads = self._replace("delete", [(n, None) for n in unique])
-        for name in unique:
+    def _delete(self, names: list[str]) -> int:
+        heads = self._replace("delete", [(n, None) for n in names])
+        for name in names:
             self._index.pop(name, None)
         return sum(bool(head) for head in heads)  # GETRANGE of a missing key is empty; a record has its tag byte
 
@@ -309,7 +295,7 @@ class RedisAdapter(L2Adapter):
         """SCAN pattern of every main key under the prefix (glob characters in the prefix escaped)."""
         return "".join("\\" + c if c in "*?[]\\" else c for c in self.config.prefix) + "{*}"
 
-    def _scan(self) -> dict[str, int]:
+    def _list(self) -> dict[str, int]:
         prefix = self.config.prefix
         keys = [k.decode() if isinstance(k, bytes) else k
                 for k in self._client.scan_iter(match=self._pattern(), count=1000)]
@@ -319,17 +305,6 @@ class RedisAdapter(L2Adapter):
             manifest = self._manifest(head)
             found[key[len(prefix) + 1:-1]] = manifest[0] if manifest else strlen - 1
         return found
-
-    def list_names(self) -> list[str]:
-        if not self._link.ready():
-            return []
-        try:
-            self._index = self._scan()
-        except StorageError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise self._fail("list", exc) from None
-        return list(self._index)
 
     def clear(self) -> list[str]:
         """Delete every record under the prefix, and any parts left behind by replaced split records."""
@@ -342,14 +317,7 @@ class RedisAdapter(L2Adapter):
                 self._execute("clear", lambda p: [p.delete(k) for k in orphans])
         return names
 
-    def usage(self) -> Usage:
-        """Bytes and records this server has listed or written (other writers show up after ``list_names``)."""
-        sizes = list(self._index.values())
-        return Usage(used_bytes=sum(sizes), num_records=len(sizes))
-
-    def health(self) -> tuple[bool, str]:
-        return self._link.health()
-
     def close(self) -> None:
+        super().close()
         if self._client is not None:
             self._client.close()

@@ -1,4 +1,4 @@
-"""Health and reconnection shared by the network adapters (s3, azure_blob, redis).
+"""What the network adapters (s3, azure_blob, redis) share: health, reconnection, and their base class.
 
 A remote adapter never fails to construct because its service is down: it starts unhealthy, answers
 every operation as a miss, and retries its connect step with bounded exponential backoff on the next
@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import pydantic
 
-from kvtier.errors import ConfigError
-from kvtier.l2.base import AdapterConfig
+from kvtier.errors import ConfigError, StorageError
+from kvtier.l2.base import AdapterConfig, Buffer, L2Adapter, Usage
 
 log = logging.getLogger("kvtier.l2")
 
@@ -42,7 +44,7 @@ class Reconnector:
         self._next_try = 0.0
         self._healthy = False
         self._reason = "not connected yet"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a failure reported while reconnecting must not deadlock
         self.num_attempts = 0
 
     def start(self) -> None:
@@ -137,3 +139,121 @@ def join_parts(parts) -> bytes | memoryview:
     if len(parts) == 1:
         return parts[0]
     return b"".join(parts)
+
+
+class RemoteAdapter(L2Adapter):
+    """Base of the network adapters: the ready guard, the name -> size index, errors, and a request fan-out.
+
+    While the service is unreachable every operation answers a miss (``put`` False, ``get`` None,
+    ``contains`` False, ``delete`` 0, ``list_names`` []) instead of raising. A subclass gives
+    ``_connect`` (check the service; raise ConfigError for configuration errors), ``_list`` (name -> size
+    of every record under the prefix) and either the batch hooks (``_put``, ``_get``, ``_contains``,
+    ``_delete``) or the per-record ones they fan out to (``_put_one``, ...), then calls ``_start``.
+
+    Raises:
+        StorageError (operations): a request failed (reason scrubbed of secrets); the L2 tier counts it as a miss.
+    """
+
+    config: RemoteConfig
+
+    def __init__(self, config: RemoteConfig, secrets: Iterable[str | None]):
+        super().__init__(config)
+        self._scrub = scrubber(secrets)
+        self._index: dict[str, int] = {}  # name -> record bytes, for usage()
+        # no worker thread starts before the first submit, so an adapter that never fans out pays nothing
+        self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix=f"kvtier-{self.label}")
+
+    def _start(self, transient: Callable[[BaseException], bool]) -> None:
+        """First connect (raises ConfigError); ``transient`` tells an unreachable service from a bad config."""
+        cfg = self.config
+        self._link = Reconnector(self.label, self._reconnect, transient, cfg.retry_backoff_s,
+                                 cfg.retry_backoff_max_s, self._scrub)
+        self._link.start()
+
+    def _reconnect(self) -> None:
+        self._connect()
+        self._index = self._list()
+
+    @abstractmethod
+    def _connect(self) -> None:
+        """Check the service is usable; raise ConfigError for what only the operator can fix."""
+
+    @abstractmethod
+    def _list(self) -> dict[str, int]:
+        """Name -> size in bytes of every record under the prefix, asked of the service."""
+
+    def _fail(self, op: str, exc: BaseException) -> StorageError:
+        """The StorageError for ``exc`` met during ``op``; an unreachable service also marks the link down."""
+        self._link.failed(exc)
+        return StorageError(f"L2 {self.label}: {op} failed: {self._scrub(describe(exc))}")
+
+    def _run(self, op: str, fn, items) -> list:
+        """Run ``fn`` on every item with ``max_connections`` in flight; any failure -> one StorageError."""
+        futures = [self._pool.submit(fn, item) for item in items]
+        results, first_error = [], None
+        for fut in futures:
+            try:
+                results.append(fut.result())
+            except Exception as exc:  # noqa: BLE001 - reported below as one StorageError
+                results.append(None)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise self._fail(op, first_error) from None
+        return results
+
+    # contract: the ready guard, then the subclass's batch hook
+    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        if not self._link.ready():
+            return [False] * len(items)
+        return self._put(items)
+
+    def get(self, names: Sequence[str]) -> list[Buffer | None]:
+        if not self._link.ready():
+            return [None] * len(names)
+        return self._get(names)
+
+    def contains(self, names: Sequence[str]) -> list[bool]:
+        if not self._link.ready():
+            return [False] * len(names)
+        return self._contains(names)
+
+    def delete(self, names: Sequence[str]) -> int:
+        if not names or not self._link.ready():
+            return 0
+        return self._delete(list(dict.fromkeys(names)))
+
+    def list_names(self) -> list[str]:
+        if not self._link.ready():
+            return []
+        try:
+            self._index = self._list()
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail("list", exc) from None
+        return list(self._index)
+
+    def usage(self) -> Usage:
+        """Bytes and records this server has listed or written (other writers show up after ``list_names``)."""
+        sizes = list(self._index.values())
+        return Usage(used_bytes=sum(sizes), num_records=len(sizes))
+
+    def health(self) -> tuple[bool, str]:
+        return self._link.health()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # batch hooks: by default one request per record, fanned out by _run
+    def _put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        return self._run("put", self._put_one, items)
+
+    def _get(self, names: Sequence[str]) -> list[Buffer | None]:
+        return self._run("get", self._get_one, names)
+
+    def _contains(self, names: Sequence[str]) -> list[bool]:
+        return self._run("contains", self._contains_one, names)
+
+    def _delete(self, names: list[str]) -> int:
+        """Remove ``names`` (no repeats); returns how many existed."""
+        return sum(self._run("delete", self._delete_one, names))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 import botocore.config
@@ -19,9 +17,8 @@ import botocore.exceptions
 import pydantic
 from boto3.s3.transfer import TransferConfig
 
-from kvtier.errors import ConfigError, StorageError
-from kvtier.l2.base import Buffer, L2Adapter, Usage
-from kvtier.l2.remote import Reconnector, RemoteConfig, describe, join_parts, scrubber
+from kvtier.errors import ConfigError
+from kvtier.l2.remote import RemoteAdapter, RemoteConfig, describe, join_parts
 
 log = logging.getLogger("kvtier.l2.s3")
 _MiB = 1 << 20
@@ -59,7 +56,7 @@ def _code(exc: botocore.exceptions.ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
-class S3Adapter(L2Adapter):
+class S3Adapter(RemoteAdapter):
     """Records as S3 objects. Thread-safe; batches run ``max_connections`` requests at a time.
 
     Raises:
@@ -72,11 +69,10 @@ class S3Adapter(L2Adapter):
     config_class = S3Config
 
     def __init__(self, config: S3Config):
-        super().__init__(config)
-        self.config: S3Config = config
         key_id = config.aws_access_key_id.get_secret_value() if config.aws_access_key_id else None
         secret = config.aws_secret_access_key.get_secret_value() if config.aws_secret_access_key else None
-        self._scrub = scrubber([secret])
+        super().__init__(config, [secret])
+        self.config: S3Config = config
         self._client = boto3.session.Session().client(
             "s3", endpoint_url=config.endpoint_url, region_name=config.region,
             aws_access_key_id=key_id, aws_secret_access_key=secret,
@@ -88,17 +84,13 @@ class S3Adapter(L2Adapter):
         self._transfer = TransferConfig(multipart_threshold=threshold, multipart_chunksize=threshold,
                                         max_concurrency=4)
         self._threshold_bytes = threshold
-        self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix=f"kvtier-{self.label}")
-        self._index: dict[str, int] = {}
-        self._link = Reconnector(self.label, self._connect, _transient, config.retry_backoff_s,
-                                 config.retry_backoff_max_s, self._scrub)
-        self._link.start()
+        self._start(_transient)
 
     def __repr__(self) -> str:
         cfg = self.config
         return f"S3Adapter(bucket={cfg.bucket!r}, prefix={cfg.prefix!r}, endpoint={cfg.endpoint_url!r})"
 
-    # connect: check the bucket, then rebuild the index from a listing
+    # connect: check the bucket (the base class then rebuilds the index from a listing)
     def _connect(self) -> None:
         bucket = self.config.bucket
         try:
@@ -120,7 +112,6 @@ class S3Adapter(L2Adapter):
                                   ) from None
             else:
                 raise
-        self._index = self._list()
 
     def _create_bucket(self) -> None:
         kwargs = {"Bucket": self.config.bucket}
@@ -148,27 +139,7 @@ class S3Adapter(L2Adapter):
     def _key(self, name: str) -> str:
         return self.config.prefix + name
 
-    def _run(self, op: str, fn, items) -> list:
-        """Run ``fn`` on every item with ``max_connections`` in flight; any failure -> StorageError."""
-        futures = [self._pool.submit(fn, item) for item in items]
-        results, first_error = [], None
-        for fut in futures:
-            try:
-                results.append(fut.result())
-            except Exception as exc:  # noqa: BLE001 - reported below as one StorageError
-                results.append(None)
-                first_error = first_error or exc
-        if first_error is not None:
-            self._link.failed(first_error)
-            raise StorageError(f"L2 {self.label}: {op} failed: {self._scrub(describe(first_error))}") from None
-        return results
-
-    # contract
-    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        if not self._link.ready():
-            return [False] * len(items)
-        return self._run("put", self._put_one, items)
-
+    # per-record requests, fanned out by RemoteAdapter._run
     def _put_one(self, item) -> bool:
         name, parts = item
         data = join_parts(parts)
@@ -179,11 +150,6 @@ class S3Adapter(L2Adapter):
             self._client.put_object(Bucket=self.config.bucket, Key=self._key(name), Body=bytes(data))
         self._index[name] = size
         return True
-
-    def get(self, names: Sequence[str]) -> list[Buffer | None]:
-        if not self._link.ready():
-            return [None] * len(names)
-        return self._run("get", self._get_one, names)
 
     def _get_one(self, name: str) -> bytes | None:
         try:
@@ -196,12 +162,7 @@ class S3Adapter(L2Adapter):
         with resp["Body"] as body:
             return body.read()
 
-    def contains(self, names: Sequence[str]) -> list[bool]:
-        if not self._link.ready():
-            return [False] * len(names)
-        return self._run("contains", self._head, names)
-
-    def _head(self, name: str) -> bool:
+    def _contains_one(self, name: str) -> bool:
         try:
             resp = self._client.head_object(Bucket=self.config.bucket, Key=self._key(name))
         except botocore.exceptions.ClientError as exc:
@@ -212,41 +173,19 @@ class S3Adapter(L2Adapter):
         self._index[name] = int(resp.get("ContentLength", 0))
         return True
 
-    def delete(self, names: Sequence[str]) -> int:
-        if not names or not self._link.ready():
-            return 0
-        unique = list(dict.fromkeys(names))
-        present = [n for n, ok in zip(unique, self.contains(unique)) if ok]
+    def _delete(self, names: list[str]) -> int:
+        present = [n for n, ok in zip(names, self.contains(names)) if ok]
         for start in range(0, len(present), 1000):  # DeleteObjects takes at most 1000 keys
             batch = present[start:start + 1000]
             try:
                 self._client.delete_objects(Bucket=self.config.bucket, Delete={
                     "Objects": [{"Key": self._key(n)} for n in batch], "Quiet": True})
             except Exception as exc:  # noqa: BLE001
-                self._link.failed(exc)
-                raise StorageError(f"L2 {self.label}: delete failed: {self._scrub(describe(exc))}") from None
+                raise self._fail("delete", exc) from None
             for n in batch:
                 self._index.pop(n, None)
         return len(present)
 
-    def list_names(self) -> list[str]:
-        if not self._link.ready():
-            return []
-        try:
-            self._index = self._list()
-        except Exception as exc:  # noqa: BLE001
-            self._link.failed(exc)
-            raise StorageError(f"L2 {self.label}: list failed: {self._scrub(describe(exc))}") from None
-        return list(self._index)
-
-    def usage(self) -> Usage:
-        """Bytes and records this server has listed or written (other writers show up after ``list_names``)."""
-        sizes = list(self._index.values())
-        return Usage(used_bytes=sum(sizes), num_records=len(sizes))
-
-    def health(self) -> tuple[bool, str]:
-        return self._link.health()
-
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        super().close()
         self._client.close()
