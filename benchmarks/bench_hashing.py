@@ -40,9 +40,11 @@ def main() -> None:
     assert prefix_hashes(tokens, args.chunk_size) == reference(tokens, args.chunk_size, seed)
     ref_t, ours_t, ours_np_t = [], [], []
     for _ in range(args.repeats):
-        t = time.perf_counter(); reference(tokens, args.chunk_size, seed); ref_t.append(time.perf_counter() - t)
-        t = time.perf_counter(); prefix_hashes(tokens, args.chunk_size); ours_t.append(time.perf_counter() - t)
-        t = time.perf_counter(); prefix_hashes(tokens_np, args.chunk_size); ours_np_t.append(time.perf_counter() - t)
+        for fn, data, times in ((reference, tokens, ref_t), (prefix_hashes, tokens, ours_t),
+                                (prefix_hashes, tokens_np, ours_np_t)):
+            start = time.perf_counter()
+            fn(data, args.chunk_size) if fn is prefix_hashes else fn(data, args.chunk_size, seed)
+            times.append(time.perf_counter() - start)
     ref, ours, ours_np = (statistics.median(x) for x in (ref_t, ours_t, ours_np_t))
     print(f"prefix hashing, {args.num_tokens:,} tokens, chunk {args.chunk_size}, sha256_cbor, median of {args.repeats}")
     print(f"  reference (per-chunk cbor2 + hashlib): {ref * 1e3:8.1f} ms  ({args.num_tokens / ref / 1e6:.1f} M tokens/s)")

@@ -23,7 +23,8 @@ class MetricSpec:
 METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_lookup_requests_total", "counter", "Lookup requests served."),
     MetricSpec("kvtier_lookup_tokens_total", "counter", "Tokens asked about in lookups."),
-    MetricSpec("kvtier_lookup_hit_tokens_total", "counter", "Leading tokens found by lookups, by the tier that held the chunk.", ("medium",)),
+    MetricSpec("kvtier_lookup_hit_tokens_total", "counter",
+               "Leading tokens found by lookups, by the tier that held the chunk.", ("medium",)),
     MetricSpec("kvtier_store_chunks_total", "counter", "Chunks newly stored into L1."),
     MetricSpec("kvtier_retrieve_chunks_total", "counter", "Chunks returned by retrieve."),
     MetricSpec("kvtier_l1_usage_bytes", "gauge", "Bytes of L1 in use.", unit="By"),
@@ -34,14 +35,16 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_l2_write_dropped_total", "counter", "L2 writes dropped because the write queue was full or the write failed."),
     MetricSpec("kvtier_l2_writes_total", "counter", "Chunk records written to an L2 adapter.", ("adapter",)),
     MetricSpec("kvtier_l2_promoted_chunks_total", "counter", "L2 hits copied into L1."),
-    MetricSpec("kvtier_corrupt_records_total", "counter", "L2 records that failed verification (deleted, counted as a miss).", ("adapter",)),
+    MetricSpec("kvtier_corrupt_records_total", "counter",
+               "L2 records that failed verification (deleted, counted as a miss).", ("adapter",)),
     MetricSpec("kvtier_store_seconds", "histogram", "Store latency.", unit="s"),
     MetricSpec("kvtier_retrieve_seconds", "histogram", "Retrieve latency.", unit="s"),
     MetricSpec("kvtier_connected_clients", "gauge", "Clients connected to the server."),
     MetricSpec("kvtier_events_dropped_total", "counter", "KV cache events dropped because the event queue was full."),
     MetricSpec("kvtier_events_published_total", "counter", "KV cache events published."),
     MetricSpec("kvtier_client_unavailable_total", "counter", "Client calls answered as a miss because the server was unreachable."),
-    MetricSpec("kvtier_lease_expired_total", "counter", "Server leases that expired before the client confirmed: store reservations aborted, retrieve pins released.", ("kind",)),
+    MetricSpec("kvtier_lease_expired_total", "counter", "Server leases that expired before the client confirmed: "
+               "store reservations aborted, retrieve pins released.", ("kind",)),
 )}
 
 
@@ -95,5 +98,5 @@ class Metrics:
     def snapshot(self) -> dict[str, dict[str, float]]:
         """{metric: {"label=value,...": value}} of counters and gauges (for /status and tests)."""
         with self._lock:
-            return {name: {",".join(f"{l}={v}" for l, v in zip(METRICS[name].labels, key)): val
+            return {name: {",".join(f"{label}={v}" for label, v in zip(METRICS[name].labels, key)): val
                            for key, val in series.items()} for name, series in self._values.items()}
