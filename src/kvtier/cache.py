@@ -286,6 +286,8 @@ class KVCache:
         payloads = self.l2.read([r.key for r in refs], [arr[r.start:r.end].tolist() for r in refs])
         count = promoted = 0
         for ref, payload in zip(refs, payloads):
+            if payload.nbytes != self.layout.chunk_bytes(ref.end - ref.start):  # the header agreed, the size must too
+                break
             view = self.l1.reserve(ref.key, payload.nbytes, ref.end - ref.start)
             if view is None:
                 if not self.l1.contains(ref.key):  # no room (everything pinned): stop the prefix here

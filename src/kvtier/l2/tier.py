@@ -82,6 +82,18 @@ class L2Tier:
             log.warning("L2 adapter %s %s failed: %s", adapter.label, op, exc)
             return default
 
+    def _per_name(self, adapter: L2Adapter, op: str, names: list[str], missing) -> list:
+        """``adapter.<op>(names)`` as one batch; if the batch fails (e.g. one Redis Cluster node is down),
+        name by name, so the names that can still be served are. A failed name gives ``missing``."""
+        fn = getattr(adapter, op)
+        try:
+            return list(fn(names))
+        except Exception:  # noqa: BLE001 -- counted per name below
+            if len(names) == 1:
+                self.metrics.inc("kvtier_l2_errors_total", adapter=adapter.label, op=op)
+                return [missing]
+        return [self._call(adapter, op, fn, [name], default=[missing])[0] for name in names]
+
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading ``keys`` some adapter holds."""
         if not keys or not self.adapters:
@@ -92,8 +104,7 @@ class L2Tier:
             missing = [i for i, p in enumerate(present) if not p]
             if not missing:
                 break
-            found = self._call(adapter, "contains", adapter.contains, [names[i] for i in missing],
-                               default=[False] * len(missing))
+            found = self._per_name(adapter, "contains", [names[i] for i in missing], False)
             for i, hit in zip(missing, found):
                 present[i] = present[i] or bool(hit)
         count = 0
@@ -104,38 +115,43 @@ class L2Tier:
     def read(self, keys: Sequence[ChunkKey], token_ids: Sequence[list[int]]) -> list[memoryview]:
         """Verified payloads of the leading ``keys`` found in any adapter (stops at the first miss).
 
-        A record failing verification is deleted from that adapter, counted in
-        ``kvtier_corrupt_records_total`` and treated as a miss there (the next adapter may still hit).
+        One batched ``get`` per adapter (adapters fan a batch out in parallel), limited to the leading
+        chunks some adapter says it holds. A record failing verification is deleted from that adapter,
+        counted in ``kvtier_corrupt_records_total`` and treated as a miss there (a later adapter may hit).
         """
+        keys = list(keys)[: self.lookup(keys)]
+        names = [k.name() for k in keys]
+        found: list[memoryview | None] = [None] * len(keys)
+        for index, adapter in enumerate(self.adapters):
+            todo = [i for i, payload in enumerate(found) if payload is None]
+            if not todo:
+                break
+            bufs = self._per_name(adapter, "get", [names[i] for i in todo], None)
+            for i, buf in zip(todo, bufs):
+                if buf is not None:
+                    found[i] = self._verify(adapter, index, keys[i], token_ids[i], buf)
         out: list[memoryview] = []
-        for key, tokens in zip(keys, token_ids):
-            payload = self._read_one(key, tokens)
+        for payload in found:
             if payload is None:
                 break
             out.append(payload)
         return out
 
-    def _read_one(self, key: ChunkKey, tokens: list[int]) -> memoryview | None:
+    def _verify(self, adapter: L2Adapter, index: int, key: ChunkKey, tokens: list[int], buf) -> memoryview | None:
         name = key.name()
-        for index, adapter in enumerate(self.adapters):
-            got = self._call(adapter, "get", adapter.get, [name], default=[None])
-            buf = got[0] if got else None
-            if buf is None:
-                continue
-            try:
-                header, payload = decode_record(buf, key, tokens)
-            except CorruptRecordError as exc:
-                log.warning("L2 adapter %s: dropping bad record %s: %s", adapter.label, name, exc)
-                self.metrics.inc("kvtier_corrupt_records_total", adapter=adapter.label)
-                self._call(adapter, "delete", adapter.delete, [name])
-                self._removed_if_gone([name])
-                continue
-            if self.promote_to_faster and index > 0:
-                parts = [memoryview(buf)[: len(memoryview(buf)) - payload.nbytes], payload]
-                for faster in self.adapters[:index]:
-                    self._call(faster, "put", faster.put, [(name, parts)])
-            return payload
-        return None
+        try:
+            _, payload = decode_record(buf, key, tokens)
+        except CorruptRecordError as exc:
+            log.warning("L2 adapter %s: dropping bad record %s: %s", adapter.label, name, exc)
+            self.metrics.inc("kvtier_corrupt_records_total", adapter=adapter.label)
+            self._call(adapter, "delete", adapter.delete, [name])
+            self._removed_if_gone([name])
+            return None
+        if self.promote_to_faster and index > 0:
+            parts = [memoryview(buf)[: memoryview(buf).nbytes - payload.nbytes], payload]
+            for faster in self.adapters[:index]:
+                self._call(faster, "put", faster.put, [(name, parts)])
+        return payload
 
     # ---- writes ------------------------------------------------------------------------
     def write_async(self, tokens, first_chunk: int, items: list[WriteItem],
