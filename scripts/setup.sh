@@ -5,7 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  if ! "$PY" -m venv .venv; then
+    rm -rf .venv
+    echo "setup: '$PY -m venv' failed; on Debian/Ubuntu install it with: sudo apt-get install python3-venv" >&2
+    echo "       (or point PYTHON at another Python >= 3.11)" >&2
+    exit 1
+  fi
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q torch==2.13.0
