@@ -37,7 +37,8 @@ class _LazyGroup(click.Group):
                                        "install the extras: pip install 'kvtier[all]'") from None
 
     def format_commands(self, ctx, formatter):
-        formatter.write_dl([(name, help_) for name, (_, help_) in sorted(_COMMANDS.items())], col_max=12)
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help_) for name, (_, help_) in sorted(_COMMANDS.items())], col_max=12)
 
 
 @click.group(cls=_LazyGroup)

@@ -238,8 +238,8 @@ def build_config(data: dict) -> KVTierConfig:
             if err["type"] == "extra_forbidden":
                 msgs.append(f"unknown key {key!r}{_nearest(str(loc[-1]), _section_of(loc))}")
             else:
-                cause = err.get("ctx", {}).get("error")
-                msgs.append(f"key {key!r}: {cause if cause else err['msg']} (got {err.get('input')!r})")
+                cause = err.get("ctx", {}).get("error")  # kvtier's own validators already quote the value
+                msgs.append(f"key {key!r}: {cause}" if cause else f"key {key!r}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
 
 

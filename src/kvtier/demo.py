@@ -93,7 +93,12 @@ def open_cache(model, *, server: str | None, chunk_size: int | None, l1_size_gb:
     if server:
         from kvtier.server import Client
 
-        return Client(server, model=MODEL_ID, layout=layout, expect={"chunk_size": chunk_size} if chunk_size else None)
+        client = Client(server, model=MODEL_ID, layout=layout, expect={"chunk_size": chunk_size} if chunk_size else None)
+        if client.info is None:  # an engine would serve without the cache; a demo without one shows nothing
+            client.close()
+            raise KVTierError(f"cannot reach a kvtier server at {server}; start one (kvtier server --l1-size-gb 2 "
+                              "--eviction-policy LRU) or use --server auto")
+        return client
     from kvtier.cache import KVCache
     from kvtier.config import load_config
 
@@ -286,7 +291,7 @@ def print_table(result: dict) -> None:
         cells = [r["round"], r["where"], str(r["num_prompt_tokens"]), str(r["num_hit_tokens"]),
                  f"{r['ttft_s']:.3f}", text]
         table.add_row(*cells, *([r.get("events", "")] if show_events else []))
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe or log gets whole answers
     console.print(table)
     s = result["summary"]
     cold, warm, cross = s["cold_ttft_s"], s["warm_ttft_s"], s["cross_process_ttft_s"]

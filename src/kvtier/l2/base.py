@@ -135,8 +135,9 @@ def create_adapter(spec: dict) -> L2Adapter:
     canonical, defaults = ALIASES.get(raw_type.lower(), (raw_type, {}))
     if canonical not in _REGISTRY:
         near = difflib.get_close_matches(raw_type, adapter_types(), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError(f"unknown L2 adapter type {raw_type!r}{hint} Valid types: {', '.join(adapter_types())}")
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"unknown L2 adapter type {raw_type!r}{hint}. Valid types: {', '.join(sorted(_REGISTRY))} "
+                          f"(LMCache names also accepted: {', '.join(sorted(a.upper() for a in ALIASES))})")
     module, cls_name = _REGISTRY[canonical]
     try:
         cls = getattr(importlib.import_module(module), cls_name)

@@ -62,7 +62,8 @@ def _adapter_spec(value: str) -> dict:
               help="Event wire encoding [default: vllm].")
 @click.option("--event-block-size", type=int, default=None,
               help="Publish hashes per block of this many tokens (the engine's block size) [default: chunk size].")
-@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
+@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+              help="Server log verbosity [default: INFO].")
 def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chunk_size, hash_algorithm,
            l2_adapters, config_path, admin_token, lease_seconds, shared_memory, enable_kv_events,
            kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_encoding, event_block_size,
