@@ -20,6 +20,7 @@ over a shared ``kvtier.local_disk`` folder. Extra-config keys are listed in ``SE
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +39,13 @@ from kvtier.connectors.vllm_config import (  # noqa: F401
     parse_settings,
 )
 from kvtier.connectors.vllm_layout import (
+    as_torch,
+    block_views,
     check_paged_shape,
+    gather_chunk,
     gather_layer,
     layer_order,
+    scatter_chunk,
     scatter_layer,
 )
 from kvtier.errors import ConfigError, KVTierError, ProtocolError
@@ -140,6 +145,8 @@ class KVTierConnector(KVConnectorBase_V1):
         # worker state
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
+        self._blocks: list[torch.Tensor] = []
+        self._chunked = False
         self._layer_loads: list[tuple[torch.Tensor, LoadOp, int]] = []
         self._layer_saves: list[tuple[torch.Tensor, SaveOp]] = []
         self._load_errors: set[int] = set()
@@ -160,7 +167,8 @@ class KVTierConnector(KVConnectorBase_V1):
             # an unreachable server is not an error: the client answers misses (one warning, the
             # kvtier_client_unavailable_total metric) and picks the server up when it appears
             client = Client(url, model=self.model_id, layout=self.layout, expect=expect, metrics=self.metrics,
-                            timeout_s=self.settings.get("kvtier.timeout_s", 5.0))
+                            timeout_s=self.settings.get("kvtier.timeout_s", 5.0),
+                            prefault=self._role == KVConnectorRole.WORKER)  # only the worker copies KV
         except ProtocolError as exc:
             raise ConfigError(f"{exc} (kv_connector_extra_config: {self.settings})") from None
         except Exception as exc:  # noqa: BLE001 - any other failure: serve without kvtier
@@ -301,6 +309,10 @@ class KVTierConnector(KVConnectorBase_V1):
             check_paged_shape(kv_caches[name], self.layout, self.block_size, name)
         self._kv_caches = {name: kv_caches[name] for name in names}
         self._layer_index = {name: i for i, name in enumerate(names)}
+        self._blocks = block_views(self._kv_caches.values())
+        self._torch_dtype = getattr(torch, self.layout.dtype)
+        # zero-copy paths: straight between vLLM's blocks and the server's shared-memory slots
+        self._chunked = hasattr(self.backend, "retrieve_chunks") and hasattr(self.backend, "store_chunks")
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
@@ -308,19 +320,42 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         self._layer_loads = []
         for op in meta.loads:
-            got = self._call("retrieve", self.backend.retrieve, op.token_ids, default=(None, 0), **self._ns_kw(op.namespace))
-            kv, n = got
-            ok_end = max(op.start, min(n, op.end) // self.block_size * self.block_size)
+            started = time.perf_counter()
+            if self._chunked and not self.layerwise:
+                ok_end = self._call("retrieve", self._load_chunks, op, default=op.start)
+            else:
+                ok_end = self._load_copy(op)
             if ok_end < op.end:  # fewer tokens than promised: vLLM recomputes these blocks
                 self._load_errors.update(op.block_ids[(ok_end - op.start) // self.block_size:])
-            if ok_end == op.start:
-                continue
-            part = kv[:, :, op.start:ok_end]
-            if self.layerwise:
-                self._layer_loads.append((part, op, ok_end))
-            else:
-                for name, layer in self._kv_caches.items():
-                    scatter_layer(layer, op.block_ids, self.block_size, part[self._layer_index[name]])
+            logger.debug("kvtier: request %s: loaded tokens [%d, %d) of [%d, %d) in %.4f s", op.req_id, op.start,
+                         ok_end, op.start, op.end, time.perf_counter() - started)
+
+    def _load_chunks(self, op: LoadOp) -> int:
+        """Scatter straight from the pinned shared-memory slots into vLLM's blocks; the end of what loaded."""
+        bs = self.block_size
+        with self.backend.retrieve_chunks(op.token_ids, **self._ns_kw(op.namespace)) as got:
+            ok_end = max(op.start, min(got.num_tokens, op.end) // bs * bs)
+            for start, view in got.chunks:
+                lo, hi = max(start, op.start), min(start + view.shape[2], ok_end)
+                if lo < hi:
+                    scatter_chunk(self._blocks, op.block_ids[(lo - op.start) // bs:(hi - op.start) // bs],
+                                  as_torch(view, self._torch_dtype), lo - start, hi - start)
+        return ok_end if got.ok else op.start  # the lease ran out while copying: nothing is trustworthy
+
+    def _load_copy(self, op: LoadOp) -> int:
+        """Retrieve into a tensor, then scatter (now, or layer by layer with ``use_layerwise``)."""
+        kv, n = self._call("retrieve", self.backend.retrieve, op.token_ids, default=(None, 0),
+                           **self._ns_kw(op.namespace))
+        ok_end = max(op.start, min(n, op.end) // self.block_size * self.block_size)
+        if ok_end == op.start:
+            return ok_end
+        part = kv[:, :, op.start:ok_end]
+        if self.layerwise:
+            self._layer_loads.append((part, op, ok_end))
+        else:
+            for name, layer in self._kv_caches.items():
+                scatter_layer(layer, op.block_ids, self.block_size, part[self._layer_index[name]])
+        return ok_end
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         i = self._layer_index.get(layer_name)
@@ -347,18 +382,35 @@ class KVTierConnector(KVConnectorBase_V1):
         self._layer_loads = []
         if not isinstance(meta, KVTierConnectorMetadata) or self.backend is None:
             return
+        started = time.perf_counter()
         if self.layerwise:
             staged, self._layer_saves = self._layer_saves, []
+        elif self._chunked:
+            staged = [(None, op) for op in meta.saves]  # gathered later, straight into the server's slots
         else:
             staged = [(self._gather(op), op) for op in meta.saves]
         for kv, op in staged:
-            self._call("store", self.backend.store, op.token_ids, kv, **self._ns_kw(op.namespace))
+            if kv is None:
+                self._call("store", self._store_chunks, op)
+            else:
+                self._call("store", self.backend.store, op.token_ids, kv, **self._ns_kw(op.namespace))
+        if staged:
+            logger.debug("kvtier: stored new chunks of %d requests in %.4f s", len(staged), time.perf_counter() - started)
         if staged and self._in_process:
             # the scheduler process sees this cache only through the disk folder: make the chunks
             # visible there before the request's next lookup (and durable if vLLM exits abruptly)
             self._call("flush", self.backend.flush, 60.0)
         if staged and hasattr(self.backend, "take_events"):
             self._worker_events.extend(_to_vllm_events(self._call("take_events", self.backend.take_events, default=[])))
+
+    def _store_chunks(self, op: SaveOp) -> int:
+        """Gather only the chunks the server lacks, straight from vLLM's blocks into their slots."""
+        bs, dtype = self.block_size, self._torch_dtype
+
+        def fill(start: int, dst) -> None:
+            gather_chunk(self._blocks, op.block_ids[start // bs:], as_torch(dst, dtype))
+
+        return self.backend.store_chunks(op.token_ids, fill, **self._ns_kw(op.namespace))
 
     def _gather(self, op: SaveOp) -> torch.Tensor:
         n = len(op.token_ids)

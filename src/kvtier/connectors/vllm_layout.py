@@ -13,6 +13,7 @@ Every function here works on whole blocks: token ranges must start on a block bo
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 
@@ -101,3 +102,54 @@ def scatter_layer(kv_layer: torch.Tensor, block_ids, block_size: int, src: torch
     idx = torch.as_tensor(list(block_ids[:nb]), dtype=torch.long)
     blocks = src.reshape(2, nb, block_size, heads, head_dim).permute(1, 3, 0, 2, 4)  # (nb, H, 2, bs, D)
     _blocks(kv_layer, block_size).index_copy_(0, idx, blocks.to(kv_layer.dtype))
+
+
+def as_torch(arr, dtype: torch.dtype) -> torch.Tensor:
+    """A torch view of a numpy chunk array (a shared-memory slot or a frame), no copy; ``dtype`` is the KV
+    dtype (bf16 / fp8 arrive as same-size integers and are re-viewed). A read-only array gives a tensor
+    that must only be read."""
+    with warnings.catch_warnings():  # torch warns about read-only arrays: the caller only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+def block_views(kv_caches) -> list[torch.Tensor]:
+    """``[num_blocks, num_kv_heads, 2, block_size, head_dim]`` views (no copy) of each layer, in order."""
+    return [_blocks(layer, layer.shape[2]) for layer in kv_caches]
+
+
+def scatter_chunk(blocks: list[torch.Tensor], block_ids, chunk: torch.Tensor, first: int, last: int) -> None:
+    """Copy tokens ``[first, last)`` of one chunk ``(num_layers, 2, n, num_kv_heads, head_dim)`` into the
+    blocks ``block_ids`` (in order) of every layer; ``blocks`` from ``block_views``. ``first`` and ``last``
+    are block-aligned offsets into the chunk. One copy, straight from the chunk (e.g. a shared-memory slot)
+    into vLLM's memory. Mutates ``blocks``. Raises InputError on an unaligned range or too few blocks."""
+    block_size = blocks[0].shape[3]
+    if first % block_size or last % block_size or not 0 <= first <= last <= chunk.shape[2]:
+        raise InputError(f"tokens [{first}, {last}) of a {chunk.shape[2]}-token chunk are not whole "
+                         f"{block_size}-token blocks")
+    nb = (last - first) // block_size
+    if nb > len(block_ids):
+        raise InputError(f"{last - first} tokens need {nb} blocks, only {len(block_ids)} given")
+    num_layers, _, _, heads, head_dim = chunk.shape
+    src = chunk[:, :, first:last].reshape(num_layers, 2, nb, block_size, heads, head_dim)
+    src = src.permute(0, 2, 4, 1, 3, 5)  # (L, nb, H, 2, bs, D): the block layout
+    for layer, dst in enumerate(blocks):
+        for j in range(nb):
+            dst[block_ids[j]].copy_(src[layer, j])
+
+
+def gather_chunk(blocks: list[torch.Tensor], block_ids, out: torch.Tensor) -> None:
+    """Write the KV of ``out.shape[2]`` tokens held in ``block_ids`` (in order) of every layer into ``out``
+    ``(num_layers, 2, n, num_kv_heads, head_dim)`` (e.g. a shared-memory slot): one copy. ``blocks`` from
+    ``block_views``. Mutates ``out``. Raises InputError when ``block_ids`` holds fewer than n tokens."""
+    block_size = blocks[0].shape[3]
+    n = out.shape[2]
+    nb = -(-n // block_size)
+    if nb > len(block_ids):
+        raise InputError(f"{n} tokens need {nb} blocks, only {len(block_ids)} given")
+    for layer, src in enumerate(blocks):
+        dst = out[layer]
+        for j in range(nb):
+            lo, hi = j * block_size, min(n, (j + 1) * block_size)
+            dst[:, lo:hi].copy_(src[block_ids[j]].permute(1, 2, 0, 3)[:, :hi - lo])  # (H,2,bs,D) -> (2,bs,H,D)

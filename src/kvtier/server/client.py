@@ -12,12 +12,14 @@ Resilience rules (the engine must never hang or crash because of the cache):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import threading
 import time
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -48,6 +50,9 @@ class Client:
             ``save_unfull_chunk``); a difference refuses the session.
         retry_after_s: after a timeout, calls are fast misses for this long before the next try.
         metrics: where ``kvtier_client_unavailable_total`` is counted (a new ``Metrics`` if None).
+        prefault: map the whole shared L1 when attaching it (``dataplane.prefault``): a one-time cost at
+            startup (about 0.5 s per GiB here) that takes page faults out of every later store and retrieve.
+            For a process that copies KV (an engine worker), not one that only looks up.
 
     Raises:
         ProtocolError: the server refused the handshake (the message says what differs).
@@ -55,7 +60,7 @@ class Client:
 
     def __init__(self, url: str, *, model: str, layout: KVLayout | dict, namespace: str = "",
                  timeout_s: float = 10.0, shared_memory: bool = True, expect: dict | None = None,
-                 retry_after_s: float = 1.0, metrics: Metrics | None = None):
+                 retry_after_s: float = 1.0, metrics: Metrics | None = None, prefault: bool = False):
         self.url = url
         self.model = model
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout)
@@ -65,6 +70,7 @@ class Client:
         self.expect = dict(expect or {})
         self.retry_after_s = retry_after_s
         self.metrics = metrics or Metrics()
+        self.prefault = prefault
         self.info: P.HelloReply | None = None  # the server's answer to the last handshake
         self._arena = None
         self._ids = itertools.count(1)
@@ -144,6 +150,8 @@ class Client:
             if self._arena is not None:
                 self._arena.close()
             self._arena = D.attach_arena(reply.shm_name, reply.shm_capacity_bytes) if reply.shm_name else None
+            if self._arena is not None and self.prefault:
+                D.prefault(self._arena)
         self.info = reply
         if self._warned:
             log.warning("kvtier server %s is back", self.url)
@@ -226,61 +234,113 @@ class Client:
         arr = as_token_array(tokens)
         self.layout.validate_kv(kv, len(arr))
         src = D.to_numpy(kv)
+
+        def fill(start: int, dst) -> None:
+            dst.view(src.dtype)[...] = src[:, :, start:start + dst.shape[2]]
+
+        return self.store_chunks(arr, fill, namespace)
+
+    def store_chunks(self, tokens, fill, namespace: str | None = None) -> int:
+        """Store ``tokens``' chunks that the server lacks, letting ``fill`` write each one in place.
+
+        ``fill(start, dst)`` is called once per missing chunk, in order: ``start`` is the chunk's first token,
+        ``dst`` a writable numpy array ``(num_layers, 2, n, num_kv_heads, head_dim)`` (``n`` tokens, the
+        layout's ``numpy_dtype``) that ``fill`` must overwrite entirely; with shared memory it is the L1 slot
+        itself (no intermediate copy), otherwise a buffer sent as a frame. Chunks already stored are never
+        asked for. Returns the number of chunks newly stored (0 when the server is unavailable, or when
+        the lease ran out before every chunk was written: then nothing is stored). Raises InputError for bad
+        tokens; whatever ``fill`` raises aborts the reservation and is raised.
+        """
+        arr = as_token_array(tokens)
         with self._lock:
             shm = self._arena is not None
-            begin = P.StoreBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm, namespace=namespace)
-            reply, _ = self._call(begin)
+            reply, _ = self._call(P.StoreBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
+                                               namespace=namespace))
             if not isinstance(reply, P.StoreSlots) or not reply.slots:
                 return 0
             got_at = time.monotonic()
-            chunk_size = self.info.chunk_size
-            if reply.slots[0].offset >= 0 and self._arena is not None:
-                ok = self._copy_in(src, reply.slots, chunk_size, got_at)
-                frames = []
-            else:
-                ok, frames = True, D.chunk_frames(src, reply.slots, self.layout, chunk_size)
-            done, _ = self._call(P.StoreCommit(id=next(self._ids), ticket=reply.ticket, ok=ok), frames, retry=False)
+            ok, frames = False, []
+            try:
+                ok, frames = self._fill_slots(reply.slots, fill, got_at)
+            finally:  # commit, or abort on a failure of ``fill``: never leave the reservation to expire
+                done, _ = self._call(P.StoreCommit(id=next(self._ids), ticket=reply.ticket, ok=ok),
+                                     frames if ok else [], retry=False)
         return done.num_stored if isinstance(done, P.StoreDone) else 0
 
-    def _copy_in(self, src, slots, chunk_size: int, got_at: float) -> bool:
+    def _fill_slots(self, slots, fill, got_at: float) -> tuple[bool, list]:
+        chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()
+        in_shm = slots[0].offset >= 0 and self._arena is not None
         # never write after half the lease: past the lease the server may have reused the slot
         budget = self.info.lease_seconds / 2
+        frames = []
         for slot in slots:
-            if time.monotonic() - got_at > budget:
-                return False
+            if in_shm and time.monotonic() - got_at > budget:
+                return False, []
             n = D.slot_tokens(slot, self.layout)
-            start = slot.chunk_index * chunk_size
-            dst = D.chunk_view(self._arena.view(slot.offset, slot.nbytes), self.layout, n, src.dtype)
-            dst[...] = src[:, :, start:start + n]
-        return True
+            if in_shm:
+                dst = D.chunk_view(self._arena.view(slot.offset, slot.nbytes), self.layout, n, dtype)
+            else:
+                dst = np.empty(self.layout.chunk_shape(n), dtype=dtype)
+                frames.append(dst.data)
+            fill(slot.chunk_index * chunk_size, dst)
+        return True, frames
 
     def retrieve(self, tokens, namespace: str | None = None):
         """KV of the leading available tokens: ``(kv, num_tokens)``, kv a torch tensor
         ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``; ``num_tokens`` is 0 on a miss or when the
         server is unavailable. Bytes are never wrong: a copy made after the lease ended is discarded."""
+        with self.retrieve_chunks(tokens, namespace) as got:
+            out, dst = D.empty_kv(self.layout, got.num_tokens)
+            for start, view in got.chunks:
+                dst[:, :, start:start + view.shape[2]] = view.view(dst.dtype)
+        if got.ok and got.num_tokens:
+            return out, got.num_tokens
+        return D.empty_kv(self.layout, 0)[0], 0
+
+    @contextlib.contextmanager
+    def retrieve_chunks(self, tokens, namespace: str | None = None):
+        """Zero-copy access to the KV of the leading available tokens, chunk by chunk.
+
+        Yields a ``Retrieved``: ``num_tokens`` (0 on a miss or when the server is unavailable) and ``chunks``,
+        a list of ``(start, view)`` in token order, ``view`` a read-only numpy array ``(num_layers, 2, n,
+        num_kv_heads, head_dim)`` (layout ``numpy_dtype``) over the pinned L1 slot (shared memory) or over a
+        received frame. Views are valid only inside the ``with`` block; the client lock is held
+        throughout, so copy and leave. After the block, ``ok`` says whether what was read is valid: False
+        when the server's lease ran out meanwhile (the slot may have been reused): discard the copy.
+        Raises InputError for bad tokens.
+        """
         arr = as_token_array(tokens)
+        got = Retrieved()
         with self._lock:
             shm = self._arena is not None
             reply, payload = self._call(P.RetrieveBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
                                                         namespace=namespace))
+            ticket = 0
             if isinstance(reply, P.RetrieveSlots) and reply.slots and self._arena is not None:
-                out, dst = D.empty_kv(self.layout, reply.num_tokens)
-                self._copy_out(dst, reply.slots, [self._arena.view(s.offset, s.nbytes) for s in reply.slots])
-                done, _ = self._call(P.RetrieveEnd(id=next(self._ids), ticket=reply.ticket), retry=False)
-                if isinstance(done, P.Ok):
-                    return out, reply.num_tokens
+                buffers, ticket = [self._arena.view(s.offset, s.nbytes) for s in reply.slots], reply.ticket
             elif isinstance(reply, P.RetrieveData) and reply.slots and _frames_match(payload, reply.slots):
-                out, dst = D.empty_kv(self.layout, reply.num_tokens)
-                self._copy_out(dst, reply.slots, [f.buffer for f in payload])
-                return out, reply.num_tokens
-        return D.empty_kv(self.layout, 0)[0], 0
+                buffers = [f.buffer for f in payload]
+            else:
+                buffers = []
+            if buffers:
+                got.num_tokens, got.ok = reply.num_tokens, True
+                got.chunks = self._chunk_views(reply.slots, buffers)
+            try:
+                yield got
+            finally:
+                got.chunks = []  # the views die with the pins
+                if ticket:
+                    done, _ = self._call(P.RetrieveEnd(id=next(self._ids), ticket=ticket), retry=False)
+                    got.ok = isinstance(done, P.Ok)
 
-    def _copy_out(self, dst, slots, buffers) -> None:
-        chunk_size = self.info.chunk_size
+    def _chunk_views(self, slots, buffers) -> list:
+        chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()
+        out = []
         for slot, buf in zip(slots, buffers):
-            n = D.slot_tokens(slot, self.layout)
-            start = slot.chunk_index * chunk_size
-            dst[:, :, start:start + n] = D.chunk_view(buf, self.layout, n, dst.dtype)
+            view = D.chunk_view(buf, self.layout, D.slot_tokens(slot, self.layout), dtype)
+            view.flags.writeable = False  # the slot is shared: a reader must never write it
+            out.append((slot.chunk_index * chunk_size, view))
+        return out
 
     def clear(self, medium: str | None = None) -> int:
         """Drop every chunk the server holds, of every cache: all tiers, or only ``"CPU"`` (L1) or ``"STORAGE"``
@@ -343,6 +403,15 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Retrieved:
+    """What ``Client.retrieve_chunks`` yields: ``num_tokens``, ``chunks`` [(start token, view)], and ``ok``."""
+
+    __slots__ = ("num_tokens", "chunks", "ok")
+
+    def __init__(self):
+        self.num_tokens, self.chunks, self.ok = 0, [], False
 
 
 def _frames_match(payload, slots) -> bool:
