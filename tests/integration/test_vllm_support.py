@@ -55,6 +55,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(server, url: str, what: str, timeout_s: float) -> None:
+    """Poll ``url`` until it answers 200 while ``server.proc`` runs; else stop it and raise with its log's tail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{server.log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"{what} not healthy after {timeout_s:.0f} s:\n{server.log_path.read_text()[-4000:]}")
+
+
 class KVTierServer:
     """A ``kvtier server`` subprocess with ``chunk_size`` tokens per chunk, on free 127.0.0.1 ports."""
 
@@ -67,18 +83,7 @@ class KVTierServer:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtier server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.admin_port}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"kvtier server not healthy after 60 s:\n{self.log_path.read_text()}")
+        wait_healthy(self, f"http://127.0.0.1:{self.admin_port}/healthz", "kvtier server", 60)
 
     def stats(self) -> dict:
         return httpx.get(f"http://127.0.0.1:{self.admin_port}/status", timeout=10).json()
@@ -198,18 +203,7 @@ class LMCacheServer:
             argv += ["--shm-name", self.shm_name, "--no-l1-use-lazy"]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **LMCACHE_ENV})
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.http_port}/healthcheck", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"lmcache server not healthy after 180 s:\n{self.log_path.read_text()[-4000:]}")
+        wait_healthy(self, f"http://127.0.0.1:{self.http_port}/healthcheck", "lmcache server", 180)
 
     def extra_config(self) -> dict:
         """``kv_connector_extra_config`` for vLLM's ``LMCacheMPConnector``."""
