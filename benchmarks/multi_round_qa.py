@@ -28,7 +28,6 @@ import asyncio
 import csv
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from test_vllm_support import (  # noqa: E402 (after the sys.path line above)
     lmcache_missing,
     model_dir,
     require_vllm,
+    stop_process,
 )
 
 # name: (vLLM prefix cache on, cache server: None, ("kvtier", chunk) or ("lmcache", chunk))
@@ -101,13 +101,7 @@ class VLLMServer:
         raise RuntimeError("vLLM not ready after 600 s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc, 60)
 
 
 async def user_session(client: httpx.AsyncClient, base: str, system: str, passage: str, rounds: int,

@@ -17,6 +17,7 @@ from test_vllm_support import (
     free_port,
     model_dir,
     require_vllm,
+    stop_process,
 )
 
 pytestmark = pytest.mark.model
@@ -60,13 +61,7 @@ class OpenAIServer:
         return resp.json()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc, 60)
 
 
 def _answer(reply: dict):

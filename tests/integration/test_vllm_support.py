@@ -55,6 +55,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM ``proc`` (started by us, stopped by pid), SIGKILL it if it is still running after ``grace_s``."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def wait_healthy(server, url: str, what: str, timeout_s: float) -> None:
     """Poll ``url`` until it answers 200 while ``server.proc`` runs; else stop it and raise with its log's tail."""
     deadline = time.monotonic() + timeout_s
@@ -89,13 +100,7 @@ class KVTierServer:
         return httpx.get(f"http://127.0.0.1:{self.admin_port}/status", timeout=10).json()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc, 30)
 
 
 def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | None = None, role: str = "kv_both",
@@ -214,13 +219,7 @@ class LMCacheServer:
         return {**LMCACHE_ENV, "LMCACHE_MP_TRANSFER_MODE": self.mode}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_process(self.proc, 30)
         if self.shm_name:
             Path(f"/dev/shm/lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
 
