@@ -23,6 +23,9 @@ from kvtier.models import INSTALL_HINT, kv_layout_of, smollm2_gguf_path, tiny_mo
 
 CHUNK = 16
 ATOL = 1e-5
+# The real model's logits reach ~20: a suffix prefill sums in another order than a full prefill, and
+# on some CPUs (Intel oneDNN kernels here, 3.1e-5 measured) that differs by more than ATOL. Still fp32 noise.
+REAL_ATOL = 1e-4
 
 
 def _cache(model, tmp_path=None, model_id="tiny", chunk_size=CHUNK):
@@ -239,14 +242,14 @@ def test_real_smollm2_reuse_matches_full_prefill(tmp_path):
     connector.prefill(long_ids)
     logits, _, stats = connector.prefill(long_ids)
     assert stats["num_hit_tokens"] == 256 * (long_ids.shape[1] // 256)
-    assert torch.allclose(logits, ref_logits, atol=ATOL, rtol=0)
+    assert torch.allclose(logits, ref_logits, atol=REAL_ATOL, rtol=0)
     reference = model.generate(long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=8,
                                do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert torch.equal(connector.generate(long_ids, 8)[0], reference)
 
     logits, _, stats = connector.prefill(short_ids)
     assert stats["num_hit_tokens"] == 0 and stats["num_stored_chunks"] == 0
-    assert torch.allclose(logits, _full_prefill(model, short_ids)[0], atol=ATOL, rtol=0)
+    assert torch.allclose(logits, _full_prefill(model, short_ids)[0], atol=REAL_ATOL, rtol=0)
     cache.close()
 
 
