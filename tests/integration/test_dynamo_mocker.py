@@ -1,0 +1,131 @@
+"""kvtier's tiers steer NVIDIA Dynamo's KV router (Dynamo 1.6.1, no vLLM, no GPU; seconds).
+
+A real deployment on 127.0.0.1: a ``kvtier server`` (L1 + local-disk L2, KV events per 16-token block), two
+``dynamo.mocker`` workers (simulated engines with 16-token blocks), ``dynamo.frontend --router-mode kv`` and the
+standalone ``dynamo.indexer``. Worker A publishes no engine events of its own; its event stream is the kvtier
+server's, relayed by Dynamo's own ZMQ relay (what ``dynamo.vllm`` runs for vLLM's stream), so A announces what
+kvtier holds. Worker B is a plain mocker with its own prefix cache and events.
+
+The router is asked through ``dynamo.llm.KvRouter`` (``get_overlap_scores`` / ``best_worker``, the frontend's
+router code), the indexer through its ``POST /query``, and the frontend through OpenAI requests whose answers
+name the worker that served them. Nothing depends on hash values: Dynamo re-hashes the events' token ids.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ holds the support package
+from support.dynamo_procs import MODEL_NAME, Deployment, RouterProbe, start_kvtier_server  # noqa: E402
+
+from kvtier.server.client import Client  # noqa: E402
+
+BLOCK = 16  # the mocker's block size, and the kvtier server's event block size
+CHUNK = 256
+PROMPT = [100 + (i * 7919) % 40_000 for i in range(2 * CHUNK)]  # two chunks of SmolLM2 token ids
+OTHER = [100 + (i * 104_729) % 40_000 for i in range(2 * CHUNK)]  # nobody stores this one
+LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"}
+WAIT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    work = tmp_path_factory.mktemp("dynamo")
+    dep = Deployment(work)
+    server = probe = None
+    try:
+        server, addresses = start_kvtier_server(work, CHUNK, BLOCK)
+        worker_a = dep.start_mocker("mocker-a", BLOCK, "--no-enable-prefix-caching")  # events: kvtier's only
+        worker_b = dep.start_mocker("mocker-b", BLOCK)
+        dep.start_relay(worker_a, BLOCK, addresses["events"])
+        frontend = dep.start_frontend()
+        indexer = dep.start_indexer({worker_a: addresses["events"]}, BLOCK)
+        probe = RouterProbe(dep, BLOCK)
+        yield {"a": str(worker_a), "b": str(worker_b), "frontend": frontend, "indexer": indexer, "probe": probe,
+               **addresses}
+    finally:
+        if probe is not None:
+            probe.stop()
+        dep.stop()
+        if server is not None:
+            server.stop()
+
+
+def until(probe: RouterProbe, tokens: list[int], done, what: str) -> dict:
+    """Query the router until ``done(answer)`` holds (events travel asynchronously); fail after WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        answer = probe.query(tokens)
+        if done(answer):
+            return answer
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the router never saw {what} within {WAIT_S:.0f} s; last answer: {answer}")
+        time.sleep(0.2)
+
+
+def indexer_view(deployment: dict, tokens: list[int]) -> dict:
+    reply = httpx.post(f"{deployment['indexer']}/query", json={"token_ids": tokens, "model_name": MODEL_NAME},
+                       timeout=10)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["instances"]
+
+
+def complete(deployment: dict, tokens: list[int]) -> dict:
+    """An OpenAI completion through the frontend; returns the JSON answer (``nvext.worker_id`` names the worker)."""
+    body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": 4, "nvext": {"extra_fields": ["worker_id"]}}
+    reply = httpx.post(f"{deployment['frontend']}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def served_by(answer: dict) -> str:
+    return str(answer["nvext"]["worker_id"]["decode_worker_id"])
+
+
+def test_frontend_answers_and_nobody_is_credited_for_an_unknown_prompt(deployment):
+    answer = complete(deployment, OTHER)
+    assert answer["choices"][0]["text"], answer
+    assert answer["usage"]["prompt_tokens"] == len(OTHER)
+    assert served_by(answer) in (deployment["a"], deployment["b"])
+    view = deployment["probe"].query(PROMPT)["workers"]
+    assert set(view) == {deployment["a"], deployment["b"]}
+    assert all(tiers == {"device": 0, "host": 0, "disk": 0} for tiers in view.values()), view
+
+
+def test_router_credits_host_and_disk_of_the_worker_whose_kvtier_holds_the_prefix(deployment):
+    a, b, n_blocks = deployment["a"], deployment["b"], len(PROMPT) // BLOCK
+    with Client(deployment["url"], model=MODEL_NAME, layout=LAYOUT) as client:
+        kv = np.random.default_rng(0).random((2, 2, len(PROMPT), 1, 8), dtype=np.float32)
+        assert client.store(PROMPT, kv) == 2
+        assert client.flush(30), "kvtier's L2 write did not finish"
+    # L1 (CPU) and L2 (STORAGE) both hold both chunks: A is credited on its host and disk tiers, B on none
+    answer = until(deployment["probe"], PROMPT, lambda r: r["workers"][a]["host"] == n_blocks
+                   and r["workers"][a]["disk"] == n_blocks, "kvtier's chunks on worker A's host and disk tiers")
+    assert answer["workers"][a]["device"] == 0
+    assert answer["workers"][b] == {"device": 0, "host": 0, "disk": 0}
+    assert answer["best"]["worker"] == a and answer["best"]["overlap"] > 0
+    view = indexer_view(deployment, PROMPT)
+    assert view[a]["cpu"] == len(PROMPT) and view[a]["disk"] == len(PROMPT) and view[a]["gpu"] == 0, view
+    # the frontend's own router agrees: the prompt goes to A
+    assert served_by(complete(deployment, PROMPT)) == a
+
+
+def test_after_clearing_l1_only_the_disk_tier_stays_credited(deployment):
+    a, n_blocks = deployment["a"], len(PROMPT) // BLOCK
+    before = deployment["probe"].query(PROMPT)["best"]
+    reply = httpx.post(f"{deployment['admin']}/clear", params={"medium": "CPU"}, timeout=10)
+    assert reply.status_code == 200 and reply.json()["num_l1_chunks"] == 2, reply.text
+    answer = until(deployment["probe"], PROMPT, lambda r: r["workers"][a]["host"] == 0,
+                   "the removal of worker A's host-tier blocks")
+    assert answer["workers"][a]["disk"] == n_blocks, answer
+    # a disk hit is worth less than a host hit, but A is still the only worker with any of the prefix
+    assert answer["best"]["worker"] == a and 0 < answer["best"]["overlap"] < before["overlap"], (before, answer)
+    view = indexer_view(deployment, PROMPT)
+    assert view[a]["cpu"] == 0 and view[a]["disk"] == len(PROMPT), view
+    assert served_by(complete(deployment, PROMPT)) == a
