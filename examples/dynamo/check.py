@@ -8,7 +8,10 @@ Sends one long prompt (token ids of a real text) through the frontend's OpenAI A
    (vLLM's ``reset_prefix_cache``; kvtier keeps its data), the same prompt again: vLLM loads it from kvtier.
 
 Prints one JSON object: per step the TTFT (seconds), the prompt tokens vLLM reported as cached, the worker(s)
-that served it and the output text; ``same_output`` compares every step with ``cold``. Run it with the
+that served it and the output text; ``same_output`` compares every step with ``cold``. With ``--metrics``
+(the ``$LOG_DIR/metrics-urls`` file the launch scripts write) each step also gets every worker's own TTFT from
+vLLM's ``vllm:time_to_first_token_seconds`` histogram (in disaggregated serving: the decode worker's TTFT
+without the prefill worker's time). Run it with the
 Dynamo environment's python (it joins Dynamo's file discovery to reach ``clear_kv_blocks``)::
 
     DYN_FILE_KV=$LOG_DIR/discovery .venv-dynamo/bin/python examples/dynamo/check.py --http-port 8000
@@ -64,6 +67,37 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, tokens:
             "prompt_tokens": (usage or {}).get("prompt_tokens"), "worker": worker, "text": "".join(text)}
 
 
+async def worker_ttft_totals(session: aiohttp.ClientSession, metrics: dict[str, str]) -> dict[str, tuple]:
+    """Per worker: (sum of seconds, count) of vLLM's ``vllm:time_to_first_token_seconds`` histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for name, url in metrics.items():
+        async with session.get(url) as resp:
+            text = await resp.text()
+        total = count = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:time_to_first_token_seconds_sum":
+                    total += sample.value
+                elif sample.name == "vllm:time_to_first_token_seconds_count":
+                    count += sample.value
+        out[name] = (total, count)
+    return out
+
+
+async def timed_step(session, url, args, tokens, metrics: dict[str, str]) -> dict:
+    """One ``complete``; with ``metrics``, adds each worker's vLLM TTFT of this request (``worker_ttft_seconds``)."""
+    before = await worker_ttft_totals(session, metrics) if metrics else {}
+    result = await complete(session, url, args.model_name, tokens, args.max_tokens)
+    if metrics:
+        after = await worker_ttft_totals(session, metrics)
+        result["worker_ttft_seconds"] = {name: round((after[name][0] - before[name][0]) /
+                                                     (after[name][1] - before[name][1]), 4)
+                                         for name in metrics if after[name][1] > before[name][1]}
+    return result
+
+
 async def reset_prefix_caches(namespace: str, components: list[str]) -> int:
     """Call ``clear_kv_blocks`` on every worker instance of ``components``; returns how many answered success."""
     from dynamo.runtime import DistributedRuntime
@@ -93,15 +127,19 @@ async def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--namespace", default="dynamo")
     ap.add_argument("--components", default="backend", help="comma-separated worker components to reset")
+    ap.add_argument("--metrics", default=None, help="file of NAME=URL lines: the workers' /metrics (optional)")
     args = ap.parse_args()
     tokens = prompt_tokens(args.model_dir, args.num_tokens)
     url = f"http://127.0.0.1:{args.http_port}"
+    metrics = {}
+    if args.metrics:
+        metrics = dict(line.split("=", 1) for line in Path(args.metrics).read_text().split())
     out = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        out["cold"] = await complete(session, url, args.model_name, tokens, args.max_tokens)
-        out["warm"] = await complete(session, url, args.model_name, tokens, args.max_tokens)
+        out["cold"] = await timed_step(session, url, args, tokens, metrics)
+        out["warm"] = await timed_step(session, url, args, tokens, metrics)
         out["workers_reset"] = await reset_prefix_caches(args.namespace, args.components.split(","))
-        out["reload"] = await complete(session, url, args.model_name, tokens, args.max_tokens)
+        out["reload"] = await timed_step(session, url, args, tokens, metrics)
     for step in ("warm", "reload"):
         out[f"same_output_{step}"] = out[step]["text"] == out["cold"]["text"]
     out["reload_over_cold_ttft"] = round(out["reload"]["ttft_seconds"] / out["cold"]["ttft_seconds"], 3)

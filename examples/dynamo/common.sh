@@ -45,7 +45,11 @@ start_worker() {  # start_worker NAME TRANSFER_CONFIG [extra dynamo.vllm args...
     local name=$1 cfg=$2; shift 2
     # vLLM publishes its own KV events on an ipc socket; the worker relays them to the router
     local events="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"ipc://$LOG_DIR/$name-kv-events\"}"
-    "$VLLM_PY" -m dynamo.vllm --model "$MODEL" --served-model-name smollm2 "${PLANES[@]}" --dtype "${DTYPE:-float32}" \
+    # its system port serves /metrics (vLLM's own TTFT histogram per worker: check.py --metrics)
+    local system_port
+    system_port=$("$KVTIER_PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    echo "$name=http://127.0.0.1:$system_port/metrics" >>"$LOG_DIR/metrics-urls"
+    DYN_SYSTEM_PORT=$system_port "$VLLM_PY" -m dynamo.vllm --model "$MODEL" --served-model-name smollm2 "${PLANES[@]}" --dtype "${DTYPE:-float32}" \
         --enforce-eager --max-model-len 4096 --enable-prefix-caching --kv-events-config "$events" \
         --kv-transfer-config "$cfg" "$@" >"$LOG_DIR/$name.log" 2>&1 &
     PIDS+=($!)
