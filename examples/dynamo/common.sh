@@ -1,6 +1,7 @@
 # Shared by agg.sh and disagg.sh: Dynamo settings on top of examples/vllm/common.sh (kvtier server, cleanup by
-# pid, wait_http). Source it, do not run it. Everything listens on 127.0.0.1 or ipc://; no etcd, NATS or GPU:
-# file discovery (DYN_FILE_KV), TCP request plane, ZMQ event plane.
+# pid with SIGKILL after 30 s, wait_http). Source it, do not run it. No etcd, NATS or GPU: file discovery
+# (DYN_FILE_KV), TCP request plane, ZMQ event plane; listeners on 127.0.0.1 or ipc:// (except Dynamo's own
+# event-plane PUB, which 1.6.1 binds on 0.0.0.0 while advertising 127.0.0.1).
 LOG_DIR=${LOG_DIR:-$(mktemp -d -t kvtier-dynamo-XXXX)}
 source "$(dirname "${BASH_SOURCE[0]}")/../vllm/common.sh"
 DYNAMO_PY=${DYNAMO_PYTHON:-$ROOT/.venv-dynamo/bin/python}     # made by scripts/setup-dynamo.sh
@@ -18,18 +19,6 @@ mkdir -p "$DYN_FILE_KV"
 if "$VLLM_PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null; then
     export PYTHONPATH="$ROOT/scripts/dynamo-cpu${PYTHONPATH:+:$PYTHONPATH}"
 fi
-
-# Dynamo's processes finish in-flight work on SIGTERM; one that is still there after 30 s is killed.
-cleanup() {
-    trap - EXIT INT TERM
-    for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for _ in $(seq 60); do
-        alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        [ "$alive" = 0 ] && break; sleep 0.5
-    done
-    for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
-    echo "stopped: ${PIDS[*]} (logs in $LOG_DIR)"
-}
 
 kvtier_transfer_config() {  # kvtier_transfer_config ROLE [CLASS]: --kv-transfer-config JSON for the kvtier connector
     local role=$1 cls=${2:-KVTierConnector} module=kvtier.connectors.vllm

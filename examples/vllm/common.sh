@@ -15,10 +15,16 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-1}
 
 PIDS=()
-cleanup() {
+cleanup() {  # SIGTERM everything started here (servers finish in-flight work), SIGKILL what is left after 30 s
     trap - EXIT INT TERM
     for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+    for _ in $(seq 60); do
+        local alive=0
+        for pid in "${PIDS[@]}"; do if kill -0 "$pid" 2>/dev/null; then alive=1; fi; done
+        [ "$alive" = 0 ] && break
+        sleep 0.5
+    done
+    for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
     echo "stopped: ${PIDS[*]} (logs in $LOG_DIR)"
 }
 trap cleanup EXIT
