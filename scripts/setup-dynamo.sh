@@ -11,8 +11,7 @@
 # optional AISimulate performance model uses it), and its `vllm` extra would pull CUDA vLLM and NIXL.
 # A GPU machine with Dynamo already installed needs none of this (nor scripts/dynamo-cpu).
 set -euo pipefail
-ROOT=$(pwd)   # the repository this is run from (scripts/test.sh runs it from the repository root)
-[ -f "$ROOT/pyproject.toml" ] || ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)   # the repository this script belongs to
 VERSION=1.6.1
 DYNAMO_VENV=${DYNAMO_VENV:-$ROOT/.venv-dynamo}
 VLLM_VENV=${VLLM_VENV:-$ROOT/.venv-vllm}
