@@ -34,9 +34,19 @@ start_worker() {  # start_worker NAME TRANSFER_CONFIG [extra dynamo.vllm args...
     local name=$1 cfg=$2; shift 2
     # vLLM publishes its own KV events on an ipc socket; the worker relays them to the router
     local events="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"ipc://$LOG_DIR/$name-kv-events\"}"
-    # its system port serves /metrics (vLLM's own TTFT histogram per worker: check.py --metrics)
+    # its system port serves /metrics (vLLM's own TTFT histogram per worker: check.py --metrics); Dynamo 1.6.1
+    # parses DYN_SYSTEM_PORT as a signed 16-bit number, so it must be below 32768 (OS-assigned ones are not)
     local system_port
-    system_port=$("$KVTIER_PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    system_port=$("$KVTIER_PY" -c "
+import random, socket
+for port in random.sample(range(20000, 32768), 200):
+    with socket.socket() as s:
+        try:
+            s.bind(('127.0.0.1', port))
+        except OSError:
+            continue
+        print(port)
+        break")
     echo "$name=http://127.0.0.1:$system_port/metrics" >>"$LOG_DIR/metrics-urls"
     DYN_SYSTEM_PORT=$system_port "$VLLM_PY" -m dynamo.vllm --model "$MODEL" --served-model-name smollm2 "${PLANES[@]}" --dtype "${DTYPE:-float32}" \
         --enforce-eager --max-model-len 4096 --enable-prefix-caching --kv-events-config "$events" \
