@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install-services.sh
 if [ -f scripts/setup-vllm.sh ]; then bash scripts/setup-vllm.sh; fi
+if [ -f scripts/setup-dynamo.sh ]; then bash scripts/setup-dynamo.sh; fi  # after setup-vllm: it adds the Dynamo wheels to .venv-vllm
 if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   echo "test: starting redis-server on 127.0.0.1:6379"
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
