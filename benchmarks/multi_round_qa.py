@@ -1,24 +1,44 @@
-"""Multi-round QA over the vLLM OpenAI server (in the spirit of LMCache's multi-round QA benchmark).
+"""Multi-user, multi-round QA on vLLM's OpenAI server: vLLM alone vs vLLM + LMCache vs vLLM + kvtier.
 
-N users talk to one vLLM server at the same time for R rounds each. Every user's prompt is a shared system
-prompt (the start of a real document, the GPL-3 Debian ships) plus that user's own growing history: a
-user-specific passage of the document, then every earlier question and answer. Questions are sent with
-``stream=true``; TTFT is the time to the first streamed token. Reports mean and p90 TTFT and generated
-tokens per second, per system:
+N users talk to one vLLM server at the same time, R rounds each. A user's prompt is a short system prompt shared by
+everybody, then that user's own context (real text nobody else has: benchmarks/corpus.py draws it from the licences
+and package documentation Debian ships, no paragraph twice), then every earlier question and answer. Requests are
+streamed (``ignore_eos``, greedy); TTFT is the time to the first streamed token.
 
-  apc_on      vLLM alone, its prefix cache on (the default)
-  apc_off     vLLM alone, prefix cache off
-  kvtier_256  vLLM (prefix cache on) + kvtier server, chunk 256
-  kvtier_128  vLLM (prefix cache on) + kvtier server, chunk 128
-  lmcache_shm_256  vLLM (prefix cache on, like the kvtier systems) + LMCache MP server, engine_driven with its
-              shared-memory pool, chunk 256 (LMCache's best CPU mode, shared reference engines-and-services.md §6),
-              run from LMCache's own environment (.venv-lmc, scripts/setup-lmcache.sh); without it the LMCache row
-              is absent and the benchmark says so
+The working set is the KV of every user's last prompt plus its answer (the shared system prompt once). It is
+measured with the SmolLM2 tokenizer, and vLLM's KV cache is sized from it in two regimes, run in turn:
 
-    .venv/bin/python benchmarks/multi_round_qa.py [--users 4 --rounds 3 --max-tokens 16] [--systems ...]
+  fits      vLLM's KV capacity is working set / --fits-ratio (default 0.5): everything fits in vLLM's own cache,
+            so an offload tier can only add cost
+  overflow  vLLM's KV capacity is working set / --overflow-ratio (default 3, allowed 2-4): vLLM's prefix cache
+            evicts a user's context before the user's next round, the case an offload tier exists for
 
-Writes benchmarks/multi_round_qa.csv and .png. ``VLLM_CPU_NUM_OF_RESERVED_CPU`` is pinned to the same value for
-every system (default 0, as in §6's primary table).
+vLLM's KV budget is set with ``--kv-cache-memory-bytes`` (``VLLM_CPU_KVCACHE_SPACE`` counts whole GiB, and its
+minimum, 1 GiB, already holds 23,296 fp32 SmolLM2 tokens); the capacity reported is the one vLLM logs
+("CPU KV cache size: N tokens"). In each regime the same prompts go, in the same order, to:
+
+  vllm      vLLM alone, prefix caching on
+  lmcache   vLLM (prefix caching on) + LMCache MP server, engine_driven with its shared-memory pool (its best CPU
+            mode, shared reference engines-and-services.md §6), run from LMCache's own .venv-lmc
+            (scripts/setup-lmcache.sh); without it the row is absent and the script says so
+  kvtier    vLLM (prefix caching on) + kvtier server + KVTierConnector
+
+kvtier and LMCache get the same chunk size and the same L1 size; every vLLM the same VLLM_CPU_NUM_OF_RESERVED_CPU.
+Where the prompt tokens came from is vLLM's own count, ``vllm:prompt_tokens_by_source_total`` over the load:
+source=local_cache_hit (vLLM's prefix cache), external_kv_transfer (loaded through the KV connector: kvtier or
+LMCache) and local_compute (recomputed); the CSV's ``counters_agree`` says whether the per-request
+usage.prompt_tokens_details.cached_tokens summed to the first two. The cache servers' own counters are reported
+next to it: kvtier ``kvtier_lookup_hit_tokens_total`` / ``kvtier_lookup_tokens_total``, LMCache
+``lmcache_mp_lookup_hit_tokens_total`` / ``lmcache_mp_lookup_requested_tokens_total``; they count what the
+connector asked, which can be more than once per request and more than was loaded.
+
+    .venv/bin/python benchmarks/multi_round_qa.py [--quick] [--repeat N] [--regimes fits,overflow]
+        [--systems vllm,lmcache,kvtier] [--users 8 --rounds 3 --context-tokens 2048 --max-tokens 32] [--plan]
+
+Writes benchmarks/multi_round_qa.csv (one row per regime and system) and docs/img/multi_round_qa.png (--quick:
+files under /tmp) and prints kvtier / vLLM alone and kvtier / LMCache per regime. Exit status: 0, 1 when a system
+failed or is absent, 2 when the configuration cannot be run as asked (not enough distinct text, a ratio out of its
+range, a working set larger than the cache servers' L1).
 """
 
 from __future__ import annotations
@@ -26,215 +46,370 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
+sys.path.insert(0, str(HERE))
 
-from test_vllm_support import (  # noqa: E402 (after the sys.path line above)
-    DOC_FILE,
-    LMCACHE_PYTHON,
+from charts import multi_round_qa_chart  # noqa: E402 (after the sys.path line above)
+from corpus import Corpus, CorpusExhausted, candidate_files  # noqa: E402
+from vllm_procs import (  # noqa: E402
     REPO,
+    VLLM_BLOCK_TOKENS,
     KVTierServer,
     LMCacheServer,
-    free_port,
+    VLLMServer,
+    kv_bytes_per_token,
     lmcache_missing,
+    log_problems,
+    lookup_counters,
     model_dir,
-    require_vllm,
-    stop_process,
+    total,
 )
 
-# name: (vLLM prefix cache on, cache server: None, ("kvtier", chunk) or ("lmcache", chunk))
-SYSTEMS = {"apc_on": (True, None), "apc_off": (False, None), "kvtier_256": (True, ("kvtier", 256)),
-           "lmcache_shm_256": (True, ("lmcache", 256)), "kvtier_128": (True, ("kvtier", 128))}
-QUESTIONS = ["What does this passage say about copying?", "Summarise the obligations it imposes.",
-             "Who is responsible for warranty?", "What happens if the terms are violated?",
-             "Does it mention patents? Answer briefly."]
+SYSTEMS = ("vllm", "lmcache", "kvtier")
+REGIMES = ("fits", "overflow")
+OVERFLOW_RANGE = (2.0, 4.0)
+QUESTIONS = ["What is this text about? Answer in one sentence.", "Which names, programs or versions does it mention?",
+             "Summarise the most important change or rule it describes.", "What would a user of this software need "
+             "to know from it?", "Is anything in it about licences or copying? Answer briefly.",
+             "List three facts from the text."]
+VLLM_SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
 
 
-class VLLMServer:
-    """``python -m vllm.entrypoints.openai.api_server`` on a free 127.0.0.1 port; stopped by pid."""
+@dataclass
+class Workload:
+    """The users' first prompts and the token counts the regimes are sized from (SmolLM2 tokenizer)."""
 
-    def __init__(self, work: Path, name: str, prefix_caching: bool, kvtier_url: str | None,
-                 lmcache: LMCacheServer | None = None):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        python = str(LMCACHE_PYTHON) if lmcache else require_vllm()
-        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
-                "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(self.port), "--dtype",
-                "float32", "--enforce-eager", "--max-model-len", "4096", "--seed", "0",
-                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
-        if kvtier_url:
-            argv += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"kvtier.server_url": kvtier_url}})]
-        if lmcache:  # flags of shared reference engines-and-services.md §6
-            argv += ["--disable-hybrid-kv-cache-manager", "--kv-transfer-config", json.dumps({
-                "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": lmcache.extra_config()})]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "VLLM_CPU_KVCACHE_SPACE": "1", **(lmcache.worker_env() if lmcache else {})}
-        self.log_path = work / f"{name}-vllm.log"
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited:\n{self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.base + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("vLLM not ready after 600 s")
+    system_prompt: str
+    contexts: list[str]
+    rounds: int
+    max_tokens: int
+    system_tokens: int
+    working_set_tokens: int  # system prompt once + per user: context + every question + every answer
+    longest_tokens: int  # the longest user's last prompt + its answer
 
-    def stop(self) -> None:
-        stop_process(self.proc, 60)
+    def first_prompt(self, user: int) -> str:
+        return f"{self.system_prompt}\n\n### Document\n{self.contexts[user]}\n"
+
+    @staticmethod
+    def question(user: int, round_: int) -> str:
+        return f"\n### Question: {QUESTIONS[(user + round_) % len(QUESTIONS)]}\n### Answer:"
 
 
-async def user_session(client: httpx.AsyncClient, base: str, system: str, passage: str, rounds: int,
-                       max_tokens: int, user: int, out: list) -> None:
-    history = f"{system}\n\nDocument excerpt for user {user}:\n{passage}\n"
-    for r in range(rounds):
-        history += f"\nQuestion: {QUESTIONS[(user + r) % len(QUESTIONS)]}\nAnswer:"
-        body = {"model": "smollm2", "prompt": history, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": True, "ignore_eos": True}
+def build_workload(args, tokenizer) -> Workload:
+    """Draw the system prompt and one distinct context per user; raises CorpusExhausted."""
+    files = candidate_files(Path(args.corpus)) if args.corpus else None
+    corpus = Corpus(tokenizer, seed=args.seed, files=files)
+    system = "You answer questions about the document below, briefly and exactly.\n" + corpus.draw(args.system_tokens)
+    contexts = [corpus.draw(args.context_tokens) for _ in range(args.users)]
+    n = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    sys_tokens = n(system)
+    wl = Workload(system, contexts, args.rounds, args.max_tokens, sys_tokens, 0, 0)
+    per_user = [n(wl.first_prompt(u)) - sys_tokens + sum(n(wl.question(u, r)) + args.max_tokens for r in range(args.rounds))
+                for u in range(args.users)]
+    wl.working_set_tokens = sys_tokens + sum(per_user)
+    wl.longest_tokens = sys_tokens + max(per_user)
+    return wl
+
+
+async def user_session(client: httpx.AsyncClient, base: str, wl: Workload, user: int, out: list) -> None:
+    prompt = wl.first_prompt(user)
+    for r in range(wl.rounds):
+        prompt += wl.question(user, r)
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": wl.max_tokens, "temperature": 0.0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
         started = time.perf_counter()
-        ttft, text, n = None, "", 0
+        ttft, text, usage = None, "", {}
         async with client.stream("POST", base + "/v1/completions", json=body) as resp:
             resp.raise_for_status()
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                piece = json.loads(line[6:])["choices"][0]["text"]
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                text += piece
-                n += 1
-        out.append({"user": user, "round": r, "ttft_s": ttft, "seconds": time.perf_counter() - started, "tokens": n})
-        history += text
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    text += chunk["choices"][0]["text"]
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        out.append({"user": user, "round": r, "ttft_seconds": ttft, "seconds": time.perf_counter() - started,
+                    "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+                    "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                    "prompt_sha": hashlib.sha256(prompt.encode()).hexdigest()})
+        prompt += text
 
 
-async def run_load(base: str, system: str, passages: list[str], rounds: int, max_tokens: int) -> tuple[list, float]:
-    out: list = []
-    async with httpx.AsyncClient(timeout=600) as client:
+async def run_load(srv: VLLMServer, cache, wl: Workload) -> tuple[list[dict], float, dict, dict]:
+    """Warm vLLM up, read the counters, run every user at once. Returns records, wall seconds, counters before."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900)) as client:
+        # the first request of a fresh vLLM pays one-off costs; shorter than a block, so nothing gets cached
+        warm = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "temperature": 0.0}
+        (await client.post(srv.base + "/v1/completions", json=warm)).raise_for_status()
+        before, cache_before = srv.settled_metrics(1), lookup_counters(cache)
+        out: list[dict] = []
         started = time.perf_counter()
-        await asyncio.gather(*(user_session(client, base, system, p, rounds, max_tokens, u, out)
-                               for u, p in enumerate(passages)))
-        return out, time.perf_counter() - started
+        await asyncio.gather(*(user_session(client, srv.base, wl, u, out) for u in range(len(wl.contexts))))
+        return out, time.perf_counter() - started, before, cache_before
 
 
-def plot(rows: list[dict], path: Path, users: int, rounds: int) -> None:
-    import matplotlib
+def run_system(system: str, regime: str, kv_blocks: int, args, wl: Workload, work: Path, bytes_per_token: int,
+               tag: str) -> dict:
+    """Start the cache server (if any) and vLLM, run the load, stop both. Returns one measurement (see ``summarise``)."""
+    cache = None
+    if system == "kvtier":
+        cache = KVTierServer(work, chunk_size=args.chunk_size, l1=f"{args.l1_size_gb}GB")
+    elif system == "lmcache":
+        cache = LMCacheServer(work, chunk_size=args.chunk_size, mode="engine_driven", shm=True, l1_gb=args.l1_size_gb)
+    try:
+        load_1m = os.getloadavg()[0]
+        srv = VLLMServer(work, tag, kv_cache_bytes=kv_blocks * VLLM_BLOCK_TOKENS * bytes_per_token,
+                         max_model_len=args.max_model_len, reserved_cpu=args.reserved_cpu, cache=cache)
+        try:
+            records, wall, before, cache_before = asyncio.run(run_load(srv, cache, wl))
+            after = srv.settled_metrics(total(before, "vllm:request_success_total") + len(records))
+            cache_after = lookup_counters(cache)
+        finally:
+            srv.stop()
+    finally:
+        if cache is not None:
+            cache.stop()
+    (work / f"{tag}-requests.json").write_text(json.dumps(records, indent=1))
+    problems = log_problems([cache.log_path] if cache else [])
+    for line in problems:
+        print(f"  {system} server log: {line}", flush=True)
+    delta = lambda name, **labels: total(after, name, **labels) - total(before, name, **labels)  # noqa: E731
+    return {"records": records, "wall": wall, "load_1m": load_1m, "problems": len(problems),
+            "by_source": {s: delta("vllm:prompt_tokens_by_source_total", source=s) for s in VLLM_SOURCES},
+            "preemptions": delta("vllm:num_preemptions_total"), "kv_capacity_tokens": srv.kv_capacity_tokens,
+            "core_ids": srv.core_ids, "cache": {k: cache_after[k] - cache_before[k] for k in cache_after}}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
-    names = [r["system"] for r in rows]
-    a.bar([i - 0.2 for i in range(len(rows))], [float(r["mean_ttft_s"]) for r in rows], 0.4, label="mean")
-    a.bar([i + 0.2 for i in range(len(rows))], [float(r["p90_ttft_s"]) for r in rows], 0.4, label="p90")
-    a.set_xticks(range(len(rows)), names, rotation=20, ha="right")
-    a.set_ylabel("TTFT (s)")
-    a.legend()
-    b.bar(range(len(rows)), [float(r["tokens_per_s"]) for r in rows])
-    b.set_xticks(range(len(rows)), names, rotation=20, ha="right")
-    b.set_ylabel("generated tokens / s")
-    r = rows[0].get("reserved_cpu", "?")
-    fig.suptitle(f"multi-round QA: {users} users x {rounds} rounds, vLLM CPU, SmolLM2-135M fp32, "
-                 f"VLLM_CPU_NUM_OF_RESERVED_CPU={r}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def summarise(regime: str, system: str, runs: list[dict], args, wl: Workload) -> dict:
+    """The CSV row of one regime and system: the requests of every repeat pooled, vLLM's counters summed."""
+    records = [r for run in runs for r in run["records"]]
+    wall = sum(run["wall"] for run in runs)
+    src = {s: sum(run["by_source"][s] for run in runs) for s in VLLM_SOURCES}
+    prompt = sum(src.values())
+    ttfts = sorted(r["ttft_seconds"] for r in records)
+    last = [r for r in runs[0]["records"] if r["round"] == wl.rounds - 1]
+    ws = wl.system_tokens + sum(r["prompt_tokens"] + r["completion_tokens"] - wl.system_tokens for r in last)
+    capacity = runs[0]["kv_capacity_tokens"]
+    mean = lambda xs: round(statistics.mean(xs), 4) if xs else ""  # noqa: E731
+    return {
+        "regime": regime, "system": system, "users": len(wl.contexts), "rounds": wl.rounds,
+        "context_tokens": args.context_tokens, "max_tokens": wl.max_tokens, "chunk_size": args.chunk_size,
+        "repeats": len(runs), "working_set_tokens": ws, "kv_capacity_tokens": capacity,
+        "working_set_ratio": round(ws / capacity, 3), "requests": len(records),
+        "mean_ttft_seconds": mean(ttfts),
+        "p90_ttft_seconds": round(ttfts[math.ceil(0.9 * len(ttfts)) - 1], 4),  # nearest rank
+        "mean_ttft_round1_seconds": mean([r["ttft_seconds"] for r in records if r["round"] == 0]),
+        "mean_ttft_later_rounds_seconds": mean([r["ttft_seconds"] for r in records if r["round"] > 0]),
+        "requests_per_second": round(len(records) / wall, 4),
+        "output_tokens_per_second": round(sum(r["completion_tokens"] for r in records) / wall, 3),
+        "wall_seconds": round(wall, 2),
+        "prompt_tokens": int(prompt),
+        "share_vllm_cache": round(src["local_cache_hit"] / prompt, 4),
+        "share_offload": round(src["external_kv_transfer"] / prompt, 4),
+        "share_recomputed": round(src["local_compute"] / prompt, 4),
+        # the per-request usage must tell the same story as the counters; False flags a row to distrust
+        "counters_agree": sum(r["prompt_tokens"] for r in records) == prompt
+        and sum(r["cached_tokens"] for r in records) == src["local_cache_hit"] + src["external_kv_transfer"],
+        "preemptions": int(sum(run["preemptions"] for run in runs)),
+        **{f"cache_lookup_{k}_tokens": int(sum(run["cache"][k] for run in runs)) for k in runs[0]["cache"]},
+        "prompts_sha": hashlib.sha256("".join(sorted(r["prompt_sha"] for r in records)).encode()).hexdigest()[:12],
+        "server_log_problems": sum(run["problems"] for run in runs),
+        "reserved_cpu": args.reserved_cpu, "vllm_core_ids": " ".join(sorted({run["core_ids"] for run in runs})),
+        "load_1m": " ".join(f"{run['load_1m']:.2f}" for run in runs),
+    }
+
+
+class Refused(ValueError):
+    """The configuration cannot be run as asked (exit status 2)."""
+
+
+def kv_blocks_for(regime: str, args, wl: Workload) -> int:
+    """vLLM KV cache blocks that give ``regime``'s working-set ratio; raises Refused when none can."""
+    ratio = args.fits_ratio if regime == "fits" else args.overflow_ratio
+    blocks = round(wl.working_set_tokens / ratio / VLLM_BLOCK_TOKENS)
+    need = math.ceil(args.max_model_len / VLLM_BLOCK_TOKENS) + 1  # vLLM keeps one block back (its null block)
+    if blocks < need:
+        raise Refused(f"regime {regime}: a working set of {wl.working_set_tokens} tokens at ratio {ratio} leaves vLLM "
+                      f"{blocks * VLLM_BLOCK_TOKENS} tokens of KV cache, less than its longest request needs "
+                      f"({args.max_model_len}); raise --users or lower --context-tokens")
+    got = wl.working_set_tokens / (blocks * VLLM_BLOCK_TOKENS)
+    if regime == "overflow" and not OVERFLOW_RANGE[0] <= got <= OVERFLOW_RANGE[1]:
+        raise Refused(f"regime overflow: working set / vLLM capacity would be {got:.2f}, outside "
+                      f"{OVERFLOW_RANGE[0]:g}-{OVERFLOW_RANGE[1]:g}; choose --overflow-ratio in that range")
+    if regime == "fits" and got > 1:
+        raise Refused(f"regime fits: working set / vLLM capacity would be {got:.2f} > 1; choose --fits-ratio <= 1")
+    return blocks
+
+
+def print_ratios(rows: list[dict]) -> None:
+    """kvtier against vLLM alone and against LMCache, per regime, with issue 12's targets."""
+    if len({r["vllm_core_ids"] for r in rows}) > 1:
+        print(f"WARNING: vLLM bound different cores in different runs: {sorted({r['vllm_core_ids'] for r in rows})}")
+    targets = {("overflow", "vllm"): "<= 0.6", ("overflow", "lmcache"): "<= 0.85", ("fits", "vllm"): "<= 1.03"}
+    for regime in REGIMES:
+        by = {r["system"]: r for r in rows if r["regime"] == regime}
+        if by:
+            same = len({r["prompts_sha"] for r in by.values()}) == 1
+            print(f"{regime}: the same prompts went to every system: {'yes' if same else 'NO (answers differed)'}")
+        for base in ("vllm", "lmcache"):
+            k, b = by.get("kvtier"), by.get(base)
+            if k and b:
+                print(f"{regime}: kvtier / {base}: mean TTFT {k['mean_ttft_seconds'] / b['mean_ttft_seconds']:.3f} "
+                      f"(issue 12 target {targets.get((regime, base), 'none')}), p90 TTFT "
+                      f"{k['p90_ttft_seconds'] / b['p90_ttft_seconds']:.3f}, output tokens/s "
+                      f"{k['output_tokens_per_second'] / b['output_tokens_per_second']:.3f}")
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+FULL = {"users": 8, "rounds": 3, "context_tokens": 2048, "system_tokens": 256, "max_tokens": 32}
+QUICK = {"users": 5, "rounds": 2, "context_tokens": 512, "system_tokens": 64, "max_tokens": 8}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"a short smoke run: {QUICK}, files under /tmp")
+    for key, value in FULL.items():
+        ap.add_argument("--" + key.replace("_", "-"), type=positive, default=None,
+                        help=f"default {value} ({QUICK[key]} with --quick)")
+    ap.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated, of {','.join(REGIMES)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
+    ap.add_argument("--fits-ratio", type=float, default=0.5, help="working set / vLLM KV capacity in regime fits")
+    ap.add_argument("--overflow-ratio", type=float, default=3.0, help="working set / vLLM KV capacity in regime overflow (2-4)")
+    ap.add_argument("--chunk-size", type=positive, default=256, help="tokens per chunk, kvtier and LMCache alike")
+    ap.add_argument("--l1-size-gb", type=positive, default=2, help="L1 of the kvtier and LMCache servers (GB)")
+    ap.add_argument("--seed", type=int, default=0, help="picks the documents the contexts come from")
+    ap.add_argument("--corpus", default=None, help="draw the texts from every file under this folder instead of "
+                    "Debian's licences and package documentation")
+    ap.add_argument("--reserved-cpu", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU for every vLLM")
+    ap.add_argument("--csv", default=None, help="default benchmarks/multi_round_qa.csv (--quick: under /tmp)")
+    ap.add_argument("--chart", default=None, help="default docs/img/multi_round_qa.png (--quick: under /tmp)")
+    ap.add_argument("--work", default=None, help="keep the vLLM and cache server logs in this folder")
+    ap.add_argument("--repeat", type=positive, default=1, help="measure every regime and system this many times "
+                    "(interleaved); the CSV pools their requests")
+    ap.add_argument("--plan", action="store_true", help="print the working set and vLLM's KV sizes, run nothing")
+    args = ap.parse_args()
+    for key, value in FULL.items():
+        if getattr(args, key) is None:
+            setattr(args, key, QUICK[key] if args.quick else value)
+    out = Path(tempfile.gettempdir()) / "multi_round_qa-quick" if args.quick else None
+    args.csv = Path(args.csv or (out / "multi_round_qa.csv" if out else HERE / "multi_round_qa.csv"))
+    args.chart = Path(args.chart or (out / "multi_round_qa.png" if out else REPO / "docs" / "img" / "multi_round_qa.png"))
+    if args.fits_ratio <= 0 or args.overflow_ratio <= 0:
+        ap.error("--fits-ratio and --overflow-ratio must be positive")
+    if args.corpus and not Path(args.corpus).is_dir():
+        ap.error(f"--corpus {args.corpus} is not a folder")
+    args.regimes, args.systems = args.regimes.split(","), args.systems.split(",")
+    for given, known, what in ((args.regimes, REGIMES, "regime"), (args.systems, SYSTEMS, "system")):
+        if set(given) - set(known):
+            ap.error(f"unknown {what}(s) {sorted(set(given) - set(known))}; choose from {','.join(known)}")
+    return args
+
+
+def measure_all(args, wl: Workload, blocks: dict[str, int], bytes_per_token: int) -> tuple[dict, dict]:
+    """Every (regime, system) ``args.repeat`` times. Returns their measurements and {what: why} of those that failed."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    absent: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="mrqa-") as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for rep in range(args.repeat):  # repeats interleave, so a slow spell of the machine hits every system
+            for regime in args.regimes:
+                for system in args.systems:
+                    reason = lmcache_missing() if system == "lmcache" else None
+                    if reason:
+                        absent[f"{regime}/{system}"] = reason
+                        continue
+                    try:
+                        m = run_system(system, regime, blocks[regime], args, wl, work, bytes_per_token,
+                                       tag=f"{regime}-{system}-{rep}")
+                    except Exception as exc:  # one failed system must not lose the others' figures; reported below
+                        traceback.print_exc()
+                        absent[f"{regime}/{system}/{rep}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                        continue
+                    runs.setdefault((regime, system), []).append(m)
+                    r = summarise(regime, system, [m], args, wl)
+                    print(f"{regime:8s} {system:8s} #{rep} KV capacity {r['kv_capacity_tokens']} (working set "
+                          f"x{r['working_set_ratio']:.2f}) TTFT mean {r['mean_ttft_seconds']:.3f} s p90 "
+                          f"{r['p90_ttft_seconds']:.3f} s (round 1 {r['mean_ttft_round1_seconds']:.3f} s, later "
+                          f"{r['mean_ttft_later_rounds_seconds'] or 0:.3f} s), {r['requests_per_second']:.3f} req/s, "
+                          f"{r['output_tokens_per_second']:.2f} out tok/s; prompt tokens {r['prompt_tokens']}: vLLM cache "
+                          f"{r['share_vllm_cache']:.1%}, offload {r['share_offload']:.1%}, recomputed "
+                          f"{r['share_recomputed']:.1%}; preemptions {r['preemptions']}; counters agree "
+                          f"{r['counters_agree']}; cores {r['vllm_core_ids']}", flush=True)
+    return runs, absent
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--users", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--system-chars", type=int, default=4000, help="shared system prompt length in characters")
-    ap.add_argument("--passage-chars", type=int, default=2000, help="per-user passage length in characters")
-    ap.add_argument("--reserved-cpu", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU for every system")
-    ap.add_argument("--out", default=str(HERE / "multi_round_qa"))
-    args = ap.parse_args()
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpu
-    doc = Path(DOC_FILE).read_text()
-    system = "You answer questions about a software license.\n" + doc[:args.system_chars]
-    passages = [doc[args.system_chars + u * args.passage_chars: args.system_chars + (u + 1) * args.passage_chars]
-                for u in range(args.users)]
-    names = args.systems.split(",")
-    unknown = [n for n in names if n not in SYSTEMS]
-    if unknown:
-        ap.error(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
-    absent = {}
-    reason = lmcache_missing()
-    if reason:
-        absent = {n: reason for n in names if (SYSTEMS[n][1] or ("",))[0] == "lmcache"}
-        print(f"LMCache rows will be ABSENT ({', '.join(absent) or 'none requested'}): {reason}", flush=True)
-    print(f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpu}; load average {os.getloadavg()}", flush=True)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="mrqa-") as tmp:
-        work = Path(tmp)
-        for name in [n for n in names if n not in absent]:
-            prefix_caching, cache = SYSTEMS[name]
-            if cache is None:
-                kv = None
-            elif cache[0] == "kvtier":
-                kv = KVTierServer(work, chunk_size=cache[1])
-            else:
-                kv = LMCacheServer(work, chunk_size=cache[1], mode="engine_driven", shm=True)
-            try:
-                srv = VLLMServer(work, name, prefix_caching, kv.url if isinstance(kv, KVTierServer) else None,
-                                 lmcache=kv if isinstance(kv, LMCacheServer) else None)
-                try:
-                    records, wall = asyncio.run(run_load(srv.base, system, passages, args.rounds, args.max_tokens))
-                finally:
-                    srv.stop()
-            finally:
-                if kv:
-                    kv.stop()
-            ttfts = sorted(r["ttft_s"] for r in records)
-            p90 = ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))]
-            rows.append({"system": name, "users": args.users, "rounds": args.rounds,
-                         "mean_ttft_s": round(statistics.mean(ttfts), 4), "p90_ttft_s": round(p90, 4),
-                         "tokens_per_s": round(sum(r["tokens"] for r in records) / wall, 3), "wall_s": round(wall, 2),
-                         "reserved_cpu": args.reserved_cpu})
-            print(rows[-1], flush=True)
-    if not rows:
-        print("no system measured")
-        return 1
-    with open(args.out + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, Path(args.out + ".png"), args.users, args.rounds)
-    base = next((r for r in rows if r["system"] == "apc_on"), None)
-    for r in rows:
-        if base and r is not base:
-            print(f"{r['system']}: mean TTFT / apc_on = {r['mean_ttft_s'] / base['mean_ttft_s']:.3f}")
-    lmc = next((r for r in rows if r["system"] == "lmcache_shm_256"), None)
-    for r in rows:
-        if lmc and r["system"].startswith("kvtier_"):
-            print(f"{r['system']}: mean TTFT / lmcache_shm_256 = {r['mean_ttft_s'] / lmc['mean_ttft_s']:.3f}; "
-                  f"p90 = {r['p90_ttft_s'] / lmc['p90_ttft_s']:.3f}; "
-                  f"throughput = {r['tokens_per_s'] / lmc['tokens_per_s']:.3f}")
+    args = parse_args()
+    started = time.monotonic()
+    from transformers import AutoTokenizer
+
+    folder = model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    bytes_per_token = kv_bytes_per_token(folder)
+    try:
+        wl = build_workload(args, tokenizer)
+        # vLLM rejects a request longer than --max-model-len: the longest one plus a margin for re-tokenised answers
+        args.max_model_len = math.ceil((wl.longest_tokens + 64) / VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
+        if wl.working_set_tokens * bytes_per_token > 0.8 * args.l1_size_gb * 1e9:
+            raise Refused(f"the working set ({wl.working_set_tokens * bytes_per_token / 1e9:.2f} GB of KV) would not "
+                          f"fit in 80 % of the cache servers' L1 ({args.l1_size_gb} GB); raise --l1-size-gb")
+        blocks = {regime: kv_blocks_for(regime, args, wl) for regime in args.regimes}
+    except (CorpusExhausted, Refused) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    print(f"{args.users} users x {args.rounds} rounds, {args.context_tokens}-token contexts, {args.system_tokens}-token "
+          f"shared system prompt, {args.max_tokens}-token answers; commit {git('log', '-1', '--format=%h')}"
+          f"{' (src/ modified)' if git('status', '--porcelain', '--', 'src') else ''}; "
+          f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpu}; load average {os.getloadavg()}", flush=True)
+    print(f"working set {wl.working_set_tokens} tokens ({wl.working_set_tokens * bytes_per_token / 1e9:.2f} GB of KV, "
+          f"{bytes_per_token} bytes per token); --max-model-len {args.max_model_len}", flush=True)
+    for regime, n in blocks.items():
+        print(f"  regime {regime}: vLLM KV cache {n} blocks = {n * VLLM_BLOCK_TOKENS} tokens, working set / capacity "
+              f"{wl.working_set_tokens / (n * VLLM_BLOCK_TOKENS):.2f}", flush=True)
+    if args.plan:
+        return 0
+    runs, absent = measure_all(args, wl, blocks, bytes_per_token)
+    rows = [summarise(regime, system, got, args, wl) for (regime, system), got in runs.items()]
+    if rows:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+        args.chart.parent.mkdir(parents=True, exist_ok=True)
+        multi_round_qa_chart(rows, args.chart)
+        print_ratios(rows)
+        print(f"wrote {args.csv} and {args.chart}")
     for name, why in absent.items():
         print(f"ABSENT: {name}: {why}")
-    print(f"load average at the end {os.getloadavg()}; wrote {args.out}.csv and {args.out}.png")
-    return 1 if absent else 0
+    print(f"wall time {time.monotonic() - started:.0f} s; load average at the end {os.getloadavg()}")
+    return 1 if absent or not rows else 0
 
 
 if __name__ == "__main__":
