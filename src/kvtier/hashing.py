@@ -1,10 +1,11 @@
 """Prefix hashing, byte-compatible with vLLM's prefix-cache block hashes.
 
-``prefix_hash[i] = H(serialize((prefix_hash[i-1] or root, tuple(chunk_i_tokens), extra_keys_i)))`` where
-``H``/``serialize`` follow vLLM's ``--prefix-caching-hash-algo`` names and the root hash is ``H(seed)``
-(vLLM's NONE_HASH; seed ``"vllm-none-hash"`` as in vLLM >= 0.29). With ``chunk_size`` equal to the
-engine's block size the digests equal vLLM's block hashes (see shared reference
-events-and-hashing.md §2). Python's ``hash()`` is never used, so every process agrees.
+``digest[i] = H(serialize((digest[i-1] or root, tuple(block_i_tokens), extra_keys_i)))``, block by block
+(vLLM 0.32 ``hash_block_tokens``), where ``H``/``serialize`` follow vLLM's ``--prefix-caching-hash-algo``
+names and the root hash is ``H(seed)`` (vLLM's NONE_HASH; seed ``"vllm-none-hash"`` as in vLLM >= 0.29).
+With the engine's block size, algorithm, seed and per-block extra keys the digests equal vLLM's block
+hashes (shared reference events-and-hashing.md §2); a chunk is keyed by the digest of its last block.
+Python's ``hash()`` is never used, so every process agrees.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import xxhash
 
 from kvtier.errors import ConfigError, InputError
 
-ALGORITHMS = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor", "sha256_cbor_64bit")
-DEFAULT_ALGORITHM = "sha256_cbor"
+ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "sha256_cbor_64bit")
+DEFAULT_ALGORITHM = "sha256"  # vLLM 0.32's default prefix_caching_hash_algo
 DEFAULT_SEED = "vllm-none-hash"
 
 
@@ -46,7 +47,7 @@ def _serialize(algorithm: str, obj) -> bytes:
 
 
 def root_hash(algorithm: str = DEFAULT_ALGORITHM, seed: str = DEFAULT_SEED) -> bytes:
-    """The parent of chunk 0 (vLLM NONE_HASH): ``H(serialize(seed))``; 8 bytes for sha256_cbor_64bit."""
+    """The parent of block 0 (vLLM NONE_HASH): ``H(serialize(seed))``; 8 bytes for sha256_cbor_64bit."""
     check_algorithm(algorithm)
     return _digest(algorithm, _serialize(algorithm, str(seed)))
 
@@ -150,9 +151,34 @@ def _cbor_head(major: int, n: int) -> bytes:
     raise InputError(f"length {n} too large for CBOR")
 
 
+# Pickle protocol 5 (what vLLM's "sha256"/"xxhash" hash) of ``(parent: bytes, tuple(block tokens), None)``:
+#   PROTO 5 | FRAME <u64 LE length of the rest> | SHORT_BINBYTES <len> parent | MEMOIZE
+#   | MARK <each token> TUPLE MEMOIZE (TUPLE1/2/3 MEMOIZE for 1-3 tokens, without MARK) | NONE TUPLE3 MEMOIZE | STOP
+# A token is BININT1 (< 256), BININT2 (< 65536) or BININT (< 2**31, 4 bytes LE). Larger ids (LONG1), blocks with
+# extra keys and blocks whose pickle would span two frames (>= 64 KiB) go through pickle.dumps itself.
+# tests/unit/test_hashing.py proves the bytes equal pickle.dumps(..., protocol=5) on random blocks.
+_PICKLE_TUPLE_END = {1: b"\x85\x94", 2: b"\x86\x94", 3: b"\x87\x94"}  # TUPLE1/2/3 + MEMOIZE; else MARK..TUPLE
+_PICKLE_MAX_BLOCK = 12_000  # tokens: 5 bytes each at most, so the block stays inside one 64 KiB frame
+
+
+def _pickle_uints(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pickle opcodes of every token (all < 2**31), concatenated, and each token's encoded length (2, 3 or 5)."""
+    lens = np.where(tokens < 256, 2, np.where(tokens < 65536, 3, 5))
+    rows = np.empty((len(tokens), 5), np.uint8)
+    rows[:, 0] = np.where(lens == 2, 0x4B, np.where(lens == 3, 0x4D, 0x4A))  # BININT1, BININT2, BININT
+    rows[:, 1:] = tokens.astype("<u4").view(np.uint8).reshape(-1, 4)
+    return rows[np.arange(5) < lens[:, None]], lens
+
+
+def _boundaries(lens: np.ndarray, block_size: int) -> list[int]:
+    """Byte offset of every block boundary in the concatenated token encodings (``lens`` bytes per token)."""
+    per_block = np.add.reduceat(lens, np.arange(0, len(lens), block_size))
+    return np.concatenate([[0], np.cumsum(per_block)]).tolist()
+
+
 def prefix_hashes(
     tokens,
-    chunk_size: int,
+    block_size: int,
     algorithm: str = DEFAULT_ALGORITHM,
     seed: str = DEFAULT_SEED,
     extra_keys: Sequence | None = None,
@@ -160,61 +186,100 @@ def prefix_hashes(
     include_partial: bool = False,
     parent: bytes | None = None,
 ) -> list[bytes]:
-    """One digest per full chunk of ``tokens`` (plus the trailing partial chunk if ``include_partial``).
+    """One digest per full block of ``tokens`` (plus the trailing partial block if ``include_partial``).
+
+    ``digest[i] = H(serialize((digest[i-1] or root, tuple(block_i_tokens), extra_keys[i])))``: vLLM 0.32's
+    ``hash_block_tokens`` chain. With the engine's block size, algorithm, seed and per-block extra keys the
+    digests ARE the engine's block hashes (``request.block_hashes``). A chunk's key is the digest of its last block.
 
     Args:
         tokens: 1-D sequence of non-negative token ids.
-        chunk_size: tokens per chunk (> 0). Equal to the engine block size, digests equal vLLM's block hashes.
+        block_size: tokens per block (> 0): the engine's block size (``block_size`` in the config).
         algorithm: one of ``ALGORITHMS`` (vLLM ``--prefix-caching-hash-algo`` names).
         seed: root-hash seed (vLLM uses ``$PYTHONHASHSEED`` or ``"vllm-none-hash"``).
-        extra_keys: ``None`` or one entry per chunk (``None`` or a tuple: LoRA name, cache salt, ...).
-        include_partial: also hash the last, shorter chunk (``save_unfull_chunk``).
+        extra_keys: ``None`` or one entry per block (``None`` or a tuple in vLLM's tagged form, e.g.
+            ``(("lora", name, path),)``; see ``kvtier.identity``). Tuples, not lists: pickle tells them apart.
+        include_partial: also hash the last, shorter block (``save_unfull_chunk``).
         parent: digest preceding ``tokens[0]`` (default: the root hash).
 
     Returns:
         list of digests: 32 bytes (sha256*), 16 bytes (xxhash*), 8 bytes (sha256_cbor_64bit).
 
     Raises:
-        InputError: bad tokens, ``chunk_size <= 0``, or ``extra_keys`` of the wrong length.
+        InputError: bad tokens, ``block_size <= 0``, or fewer ``extra_keys`` entries than blocks.
         ConfigError: unknown algorithm.
     """
     check_algorithm(algorithm)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise InputError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise InputError(f"block_size must be a positive int, got {block_size!r}")
     arr = as_token_array(tokens)
-    n_full = len(arr) // chunk_size
-    n = n_full + (1 if include_partial and len(arr) % chunk_size else 0)
+    n_full = len(arr) // block_size
+    n = n_full + (1 if include_partial and len(arr) % block_size else 0)
     if extra_keys is not None and len(extra_keys) < n:
-        raise InputError(f"extra_keys has {len(extra_keys)} entries; need one per chunk ({n})")
+        raise InputError(f"extra_keys has {len(extra_keys)} entries; need one per block ({n})")
     prev = parent if parent is not None else root_hash(algorithm, seed)
-    out: list[bytes] = []
     if n == 0:
-        return out
-    cbor = algorithm in ("sha256_cbor", "xxhash_cbor")
-    if cbor:
-        enc, lens = _cbor_uints(arr[: n * chunk_size] if n == n_full else arr)
-        # byte offset of each chunk boundary in enc
-        per_chunk = np.add.reduceat(lens, np.arange(0, len(lens), chunk_size))
-        bounds = np.concatenate([[0], np.cumsum(per_chunk)]).tolist()
-        enc_bytes = enc.tobytes()
-        # (parent, tuple(tokens), extra) is a CBOR 3-array: bstr parent, uint array, extra (nil)
-        head = b"\x83" + _cbor_head(2, len(prev))
-        full_array = _cbor_head(4, chunk_size)
-        fn = hashlib.sha256 if algorithm == "sha256_cbor" else xxhash.xxh3_128
-    else:
-        as_list = arr.tolist()
+        return []
+    arr = arr[: n * block_size] if n == n_full else arr
+    if algorithm in ("sha256_cbor", "xxhash_cbor"):
+        return _cbor_chain(arr, block_size, n, algorithm, prev, extra_keys)
+    if algorithm in ("sha256", "xxhash") and block_size <= _PICKLE_MAX_BLOCK and int(arr.max()) < 2**31:
+        return _pickle_chain(arr, block_size, n, algorithm, prev, extra_keys)
+    out: list[bytes] = []
+    as_list = arr.tolist()
     for i in range(n):
-        lo, hi = i * chunk_size, min((i + 1) * chunk_size, len(arr))
+        block = tuple(as_list[i * block_size:(i + 1) * block_size])
         extra = None if extra_keys is None else extra_keys[i]
-        if cbor:
-            tail = b"\xf6" if extra is None else cbor2.dumps(extra, canonical=True)
-            array_head = full_array if hi - lo == chunk_size else _cbor_head(4, hi - lo)
-            prev = fn(b"".join((head, prev, array_head, enc_bytes[bounds[i]:bounds[i + 1]], tail))).digest()
+        if algorithm == "sha256_cbor_64bit":
+            data = cbor2.dumps((int.from_bytes(prev, "big"), block, extra), canonical=True)
         else:
-            if algorithm == "sha256_cbor_64bit":
-                data = cbor2.dumps((int.from_bytes(prev, "big"), tuple(as_list[lo:hi]), extra), canonical=True)
-            else:
-                data = pickle.dumps((prev, tuple(as_list[lo:hi]), extra), protocol=pickle.HIGHEST_PROTOCOL)
-            prev = _digest(algorithm, data)
+            data = pickle.dumps((prev, block, extra), protocol=pickle.HIGHEST_PROTOCOL)
+        prev = _digest(algorithm, data)
+        out.append(prev)
+    return out
+
+
+def _cbor_chain(arr, block_size, n, algorithm, prev, extra_keys) -> list[bytes]:
+    enc, lens = _cbor_uints(arr)
+    bounds = _boundaries(lens, block_size)
+    enc_bytes = enc.tobytes()
+    # (parent, tuple(tokens), extra) is a CBOR 3-array: bstr parent, uint array, extra (nil)
+    head = b"\x83" + _cbor_head(2, len(prev))
+    full_array = _cbor_head(4, block_size)
+    fn = hashlib.sha256 if algorithm == "sha256_cbor" else xxhash.xxh3_128
+    out: list[bytes] = []
+    for i in range(n):
+        extra = None if extra_keys is None else extra_keys[i]
+        tail = b"\xf6" if extra is None else cbor2.dumps(extra, canonical=True)
+        size = min(block_size, len(arr) - i * block_size)
+        array_head = full_array if size == block_size else _cbor_head(4, size)
+        prev = fn(b"".join((head, prev, array_head, enc_bytes[bounds[i]:bounds[i + 1]], tail))).digest()
+        out.append(prev)
+    return out
+
+
+def _pickle_chain(arr, block_size, n, algorithm, prev, extra_keys) -> list[bytes]:
+    enc, lens = _pickle_uints(arr)
+    bounds = _boundaries(lens, block_size)
+    enc_bytes = enc.tobytes()
+    parent_head = b"C" + bytes([len(prev)])  # SHORT_BINBYTES: every digest is < 256 bytes
+    fn = hashlib.sha256 if algorithm == "sha256" else xxhash.xxh3_128
+    as_list = None
+    out: list[bytes] = []
+    for i in range(n):
+        extra = None if extra_keys is None else extra_keys[i]
+        if extra is not None:  # rare (LoRA, salt, images): pickle shares a memo across the tuple, let it do it
+            if as_list is None:
+                as_list = arr.tolist()
+            data = pickle.dumps((prev, tuple(as_list[i * block_size:(i + 1) * block_size]), extra),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            size = min(block_size, len(arr) - i * block_size)
+            body = enc_bytes[bounds[i]:bounds[i + 1]]
+            open_, close = (b"", _PICKLE_TUPLE_END[size]) if size <= 3 else (b"(", b"t\x94")
+            frame = len(prev) + len(body) + len(open_) + len(close) + 7  # C len parent MEMOIZE ... N TUPLE3 MEMOIZE STOP
+            data = b"".join((b"\x80\x05\x95", frame.to_bytes(8, "little"), parent_head, prev, b"\x94", open_, body,
+                             close, b"N\x87\x94."))
+        prev = fn(data).digest()
         out.append(prev)
     return out
