@@ -92,36 +92,50 @@ def _as_array_slow(tokens) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _small_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For 0..65535: CBOR encodings packed in a uint32 (bytes in encoding order), a uint32 whose
-    bytes are 1 where the encoding has a byte, and the lengths (1, 2 or 3)."""
+def _cbor_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For 0..65535: canonical CBOR of the uint (1-3 bytes: value, 0x18 v, 0x19 hi lo)."""
     v = np.arange(65536, dtype=np.int64)
     lens = 1 + (v >= 24) + (v >= 256)
     enc = np.zeros((65536, 4), np.uint8)
     enc[:24, 0] = v[:24]
     enc[24:256, 0], enc[24:256, 1] = 0x18, v[24:256]
     enc[256:, 0], enc[256:, 1], enc[256:, 2] = 0x19, v[256:] >> 8, v[256:] & 0xFF
+    return _packed(enc, lens)
+
+
+def _pickle_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For 0..65535: the pickle opcode of the int (BININT1 v, or BININT2 lo hi)."""
+    v = np.arange(65536, dtype=np.int64)
+    lens = 2 + (v >= 256)
+    enc = np.zeros((65536, 4), np.uint8)
+    enc[:256, 0], enc[:256, 1] = 0x4B, v[:256]
+    enc[256:, 0], enc[256:, 1], enc[256:, 2] = 0x4D, v[256:] & 0xFF, v[256:] >> 8
+    return _packed(enc, lens)
+
+
+def _packed(enc: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Encodings packed in a uint32 each (bytes in encoding order), a uint32 whose bytes are 1 where the
+    encoding has a byte, and the lengths."""
     mask = (np.arange(4) < lens[:, None]).astype(np.uint8)
     return enc.view(np.uint32).ravel(), mask.view(np.uint32).ravel(), lens
 
 
-_TABLE: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+_TABLES: dict = {}
+
+
+def _gather(tokens: np.ndarray, build) -> tuple[np.ndarray, np.ndarray]:
+    """Every token's encoding from a 65536-entry table (4 bytes a token), unused bytes dropped: several times
+    faster than encoding token by token. Tokens must be < 65536."""
+    table = _TABLES.get(build) or _TABLES.setdefault(build, build())
+    enc, mask, lens_of = table
+    return enc[tokens].view(np.uint8)[mask[tokens].view(np.bool_)], lens_of[tokens]
 
 
 def _cbor_uints(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Canonical CBOR encodings of every token, concatenated, and each token's encoded length.
-
-    Gathers from a 65536-entry table (4 bytes a token) then drops the unused bytes: several times
-    faster than encoding token by token, and identical to ``cbor2.dumps(..., canonical=True)``.
-    """
-    global _TABLE
+    """Canonical CBOR encodings of every token, concatenated, and each token's encoded length;
+    identical to ``cbor2.dumps(..., canonical=True)``."""
     if tokens.size and int(tokens.max()) < 65536:
-        if _TABLE is None:
-            _TABLE = _small_table()
-        enc, mask, lens_of = _TABLE
-        rows = enc[tokens].view(np.uint8)
-        keep = mask[tokens].view(np.bool_)
-        return rows[keep], lens_of[tokens]
+        return _gather(tokens, _cbor_table)
     # general case: head byte + the low (width - 1) bytes of the big-endian uint64
     t = tokens.astype(np.uint64)
     lens = (1 + (t >= 24) + (t >= 256) + 2 * (t >= 65536) + 4 * (t >= 2**32)).astype(np.int64)
@@ -153,21 +167,24 @@ def _cbor_head(major: int, n: int) -> bytes:
 
 # Pickle protocol 5 (what vLLM's "sha256"/"xxhash" hash) of ``(parent: bytes, tuple(block tokens), None)``:
 #   PROTO 5 | FRAME <u64 LE length of the rest> | SHORT_BINBYTES <len> parent | MEMOIZE
-#   | MARK <each token> TUPLE MEMOIZE (TUPLE1/2/3 MEMOIZE for 1-3 tokens, without MARK) | NONE TUPLE3 MEMOIZE | STOP
-# A token is BININT1 (< 256), BININT2 (< 65536) or BININT (< 2**31, 4 bytes LE). Larger ids (LONG1), blocks with
-# extra keys and blocks whose pickle would span two frames (>= 64 KiB) go through pickle.dumps itself.
-# tests/unit/test_hashing.py proves the bytes equal pickle.dumps(..., protocol=5) on random blocks.
-_PICKLE_TUPLE_END = {1: b"\x85\x94", 2: b"\x86\x94", 3: b"\x87\x94"}  # TUPLE1/2/3 + MEMOIZE; else MARK..TUPLE
+#   | MARK <each token> TUPLE MEMOIZE | NONE TUPLE3 MEMOIZE | STOP
+# A token is BININT1 (< 256), BININT2 (< 65536) or BININT (< 2**31, 4 bytes LE). Token ids >= 2**31 (LONG1),
+# blocks of 1-3 tokens (TUPLE1-3), blocks with extra keys and blocks whose pickle would span two frames (>= 64 KiB)
+# go through pickle.dumps itself. tests/unit/test_hashing.py proves the bytes equal pickle.dumps(..., protocol=5).
 _PICKLE_MAX_BLOCK = 12_000  # tokens: 5 bytes each at most, so the block stays inside one 64 KiB frame
+_PICKLE_KEEP = np.arange(5) < np.arange(6)[:, None]  # row ``len``: which of a token's 5 bytes its encoding uses
 
 
 def _pickle_uints(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pickle opcodes of every token (all < 2**31), concatenated, and each token's encoded length (2, 3 or 5)."""
-    lens = np.where(tokens < 256, 2, np.where(tokens < 65536, 3, 5))
-    rows = np.empty((len(tokens), 5), np.uint8)
-    rows[:, 0] = np.where(lens == 2, 0x4B, np.where(lens == 3, 0x4D, 0x4A))  # BININT1, BININT2, BININT
-    rows[:, 1:] = tokens.astype("<u4").view(np.uint8).reshape(-1, 4)
-    return rows[np.arange(5) < lens[:, None]], lens
+    if tokens.size and int(tokens.max()) < 65536:
+        return _gather(tokens, _pickle_table)
+    t = tokens.astype("<u4")
+    lens = 2 + (t >= 256).astype(np.int64) + 2 * (t >= 65536)
+    rows = np.empty((len(t), 5), np.uint8)
+    rows[:, 0] = np.array([0, 0, 0x4B, 0x4D, 0, 0x4A], np.uint8)[lens]  # BININT1, BININT2, BININT
+    rows[:, 1:] = t.view(np.uint8).reshape(-1, 4)
+    return rows[_PICKLE_KEEP[lens]], lens
 
 
 def _boundaries(lens: np.ndarray, block_size: int) -> list[int]:
@@ -223,7 +240,7 @@ def prefix_hashes(
     arr = arr[: n * block_size] if n == n_full else arr
     if algorithm in ("sha256_cbor", "xxhash_cbor"):
         return _cbor_chain(arr, block_size, n, algorithm, prev, extra_keys)
-    if algorithm in ("sha256", "xxhash") and block_size <= _PICKLE_MAX_BLOCK and int(arr.max()) < 2**31:
+    if algorithm in ("sha256", "xxhash") and 3 < block_size <= _PICKLE_MAX_BLOCK and int(arr.max()) < 2**31:
         return _pickle_chain(arr, block_size, n, algorithm, prev, extra_keys)
     out: list[bytes] = []
     as_list = arr.tolist()
@@ -262,24 +279,26 @@ def _pickle_chain(arr, block_size, n, algorithm, prev, extra_keys) -> list[bytes
     enc, lens = _pickle_uints(arr)
     bounds = _boundaries(lens, block_size)
     enc_bytes = enc.tobytes()
-    parent_head = b"C" + bytes([len(prev)])  # SHORT_BINBYTES: every digest is < 256 bytes
+    # per block: PROTO, FRAME and its length, SHORT_BINBYTES and the parent's length (13 bytes)
+    frames = np.diff(np.asarray(bounds, np.uint64)) + np.uint64(len(prev) + 10)
+    heads = np.empty((n, 13), np.uint8)
+    heads[:, :3] = (0x80, 0x05, 0x95)
+    heads[:, 3:11] = frames.astype("<u8").view(np.uint8).reshape(-1, 8)
+    heads[:, 11:] = (ord("C"), len(prev))
+    heads = heads.tobytes()
     fn = hashlib.sha256 if algorithm == "sha256" else xxhash.xxh3_128
     as_list = None
     out: list[bytes] = []
     for i in range(n):
+        lo, hi = i * block_size, min((i + 1) * block_size, len(arr))
         extra = None if extra_keys is None else extra_keys[i]
-        if extra is not None:  # rare (LoRA, salt, images): pickle shares a memo across the tuple, let it do it
+        if extra is None and hi - lo > 3:
+            data = b"".join((heads[13 * i:13 * i + 13], prev, b"\x94(", enc_bytes[bounds[i]:bounds[i + 1]],
+                             b"t\x94N\x87\x94."))
+        else:  # extra keys (LoRA, salt, images: pickle shares a memo across the tuple) or 1-3 tokens
             if as_list is None:
                 as_list = arr.tolist()
-            data = pickle.dumps((prev, tuple(as_list[i * block_size:(i + 1) * block_size]), extra),
-                                protocol=pickle.HIGHEST_PROTOCOL)
-        else:
-            size = min(block_size, len(arr) - i * block_size)
-            body = enc_bytes[bounds[i]:bounds[i + 1]]
-            open_, close = (b"", _PICKLE_TUPLE_END[size]) if size <= 3 else (b"(", b"t\x94")
-            frame = len(prev) + len(body) + len(open_) + len(close) + 7  # C len parent MEMOIZE ... N TUPLE3 MEMOIZE STOP
-            data = b"".join((b"\x80\x05\x95", frame.to_bytes(8, "little"), parent_head, prev, b"\x94", open_, body,
-                             close, b"N\x87\x94."))
+            data = pickle.dumps((prev, tuple(as_list[lo:hi]), extra), protocol=pickle.HIGHEST_PROTOCOL)
         prev = fn(data).digest()
         out.append(prev)
     return out
