@@ -214,16 +214,15 @@ class KVTierConnector(KVConnectorBase_V1):
                                "kvtier_client_unavailable_total)", what, type(exc).__name__, exc)
             return default
 
-    @staticmethod
-    def _ns_kw(namespace: str, extra_keys=None, num_tokens: int = 0, block_size: int = 1) -> dict:
+    def _ns_kw(self, namespace: str, extra_keys=None, num_tokens: int = 0) -> dict:
         """Keyword arguments naming the request's identity for a backend call on its first ``num_tokens``."""
         kw = {"namespace": namespace} if namespace else {}
         if extra_keys is not None:
-            kw["extra_keys"] = extra_keys[:num_blocks_of(num_tokens, block_size)]
+            kw["extra_keys"] = extra_keys[:num_blocks_of(num_tokens, self.block_size)]
         return kw
 
     def _op_kw(self, op) -> dict:
-        return self._ns_kw(op.namespace, op.extra_keys, len(op.token_ids), self.block_size)
+        return self._ns_kw(op.namespace, op.extra_keys, len(op.token_ids))
 
     # ---- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -232,8 +231,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._pending[request.request_id] = (num_computed_tokens, 0, 0, ns, extra)
             return 0, False
         tokens = list(request.prompt_token_ids or [])
-        hit = self._call("lookup", self.backend.lookup, tokens, default=0,
-                         **self._ns_kw(ns, extra, len(tokens), self.block_size))
+        hit = self._call("lookup", self.backend.lookup, tokens, default=0, **self._ns_kw(ns, extra, len(tokens)))
         hit = hit // self.chunk_size * self.chunk_size
         end = min(hit, (len(tokens) - 1) // self.block_size * self.block_size)
         self._pending[request.request_id] = (num_computed_tokens, end, hit, ns, extra)
