@@ -2,8 +2,8 @@
 
 (a) Publisher throughput with a subscriber attached (in another process): events/s against the 100,000 events/s
     target, and a check that every event arrived (live or replayed) in order.
-(b) Emitter overhead in a store-like loop (prefix hashing + copying one 256-token chunk of KV into a buffer, as the
-    cache does) with events disabled vs enabled (event_block_size 256 = chunk, and 16 = engine blocks).
+(b) Emitter overhead in a store-like loop (block hashing + copying one 256-token chunk of KV into a buffer, as the
+    cache does) with events disabled vs enabled, for block_size 256 (= chunk) and 16 (GPU vLLM's blocks).
 
 Usage: python benchmarks/bench_events.py [--events 300000] [--chunks 400]
 """
@@ -18,9 +18,11 @@ import time
 
 import numpy as np
 
+from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.events import BlockStored, EventEmitter, EventPublisher, Subscriber
 from kvtier.hashing import prefix_hashes
+from kvtier.layout import KVLayout
 
 TARGET_EVENTS_PER_S = 100_000
 
@@ -92,54 +94,49 @@ def bench_emitter(num_chunks: int) -> None:
     l1 = np.empty_like(kv)
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 50_000, seq_chunks * chunk) for _ in range(num_chunks // seq_chunks)]
+    print(f"(b) store-like loop: {num_chunks} chunks of 256 tokens per mode (block hashes + 5.9 MB KV copy each), "
+          "median per chunk, 5 interleaved passes:")
+    for block_size in (256, 16):  # blocks = chunks, and GPU vLLM's engine blocks (hashed either way)
+        cfg = build_config({"chunk_size": chunk, "block_size": block_size, "l1_size_gb": "64MiB",
+                            "enable_kv_events": True, "kv_events": {"endpoint": "tcp://127.0.0.1:0"}})
+        with KVCache(cfg, "bench@0", KVLayout(1, 1, 4), publish_events=False) as cache:
+            refs = [cache.chunk_refs(t)[1] for t in seqs]  # what the cache hands the emitter
 
-    def store_loop(emitter) -> list[float]:
-        """Seconds per chunk stored (hash from parent, KV copy into L1, and the event when enabled)."""
-        per_chunk = []
-        for tokens in seqs:
-            parent = None
-            hashes: list[bytes] = []
-            for c in range(seq_chunks):
-                t0 = time.perf_counter()
-                hashes += prefix_hashes(tokens[c * chunk:(c + 1) * chunk], chunk, parent=parent)
-                parent = hashes[-1]
-                np.copyto(l1, kv)
-                if emitter is not None:
-                    emitter.stored(tokens[:(c + 1) * chunk], c, 1, "CPU", chunk_hashes=hashes)
-                per_chunk.append(time.perf_counter() - t0)
-        return per_chunk
+        def store_loop(emitter) -> list[float]:
+            """Seconds per chunk stored (block hashes from the parent, KV copy into L1, the event when enabled)."""
+            per_chunk = []
+            for tokens, seq_refs in zip(seqs, refs):
+                parent = None
+                for c in range(seq_chunks):
+                    t0 = time.perf_counter()
+                    parent = prefix_hashes(tokens[c * chunk:(c + 1) * chunk], block_size, parent=parent)[-1]
+                    np.copyto(l1, kv)
+                    if emitter is not None:
+                        emitter.stored(tokens, seq_refs[c:c + 1], "CPU")
+                    per_chunk.append(time.perf_counter() - t0)
+            return per_chunk
 
-    configs = {f"block={bs}": build_config({"chunk_size": chunk, "enable_kv_events": True, "kv_events": {
-        "endpoint": "tcp://127.0.0.1:0", "event_block_size": bs}}) for bs in (256, 16)}
-    publishers = {name: EventPublisher(cfg.kv_events) for name, cfg in configs.items()}
-    store_loop(None)  # warm-up
-    samples: dict[str, list[float]] = {"disabled": [], **{name: [] for name in configs}}
-    for _ in range(5):  # interleaved passes: the machine is shared, so compare medians of per-chunk times
-        for name in samples:
-            emitter = None if name == "disabled" else EventEmitter(configs[name], publisher=publishers[name])
-            samples[name] += store_loop(emitter)
-    for pub in publishers.values():
-        pub.close()
-    med = {name: float(np.median(v)) for name, v in samples.items()}
-    base = med["disabled"]
-    print(f"(b) store-like loop: {len(samples['disabled'])} chunks of 256 tokens per mode (hash + 5.9 MB KV copy "
-          f"each), median per chunk, 5 interleaved passes:")
-    for name, t in med.items():
-        print(f"    events {name:10s}: {1 / t:8.1f} chunks/s; throughput ratio vs disabled {base / t:.3f}x "
-              f"(target >= 0.95x); emitter cost {(t - base) * 1e6:+.1f} us/chunk")
-    # the emitter alone, without the store work around it (best of 20 passes, no publisher)
-    pre = [prefix_hashes(t, chunk) for t in seqs]
-    for name, cfg in configs.items():
-        best = float("inf")
+        publisher = EventPublisher(cfg.kv_events)
+        store_loop(None)  # warm-up
+        samples: dict[str, list[float]] = {"disabled": [], "enabled": []}
+        for _ in range(5):  # interleaved passes: the machine is shared, so compare medians of per-chunk times
+            for name in samples:
+                samples[name] += store_loop(None if name == "disabled" else EventEmitter(cfg, publisher=publisher))
+        publisher.close()
+        base, with_events = (float(np.median(samples[k])) for k in ("disabled", "enabled"))
+        print(f"    block {block_size:3d}: events disabled {1 / base:8.1f} chunks/s, enabled {1 / with_events:8.1f} "
+              f"chunks/s; throughput ratio {base / with_events:.3f}x (target >= 0.95x); emitter cost "
+              f"{(with_events - base) * 1e6:+.1f} us/chunk")
+        best = float("inf")  # the emitter alone, without the store work around it (best of 20 passes)
         for _ in range(20):
             emitter = EventEmitter(cfg)
             t0 = time.perf_counter()
-            for tokens, hashes in zip(seqs, pre):
+            for tokens, seq_refs in zip(seqs, refs):
                 for c in range(seq_chunks):
-                    emitter.stored(tokens[:(c + 1) * chunk], c, 1, "CPU", chunk_hashes=hashes)
+                    emitter.stored(tokens, seq_refs[c:c + 1], "CPU")
             best = min(best, (time.perf_counter() - t0) / (len(seqs) * seq_chunks))
-        print(f"    emitter.stored alone, {name}: {best * 1e6:.1f} us/chunk = {best / base:.1%} of a store-like "
-              f"chunk (ratio {base / (base + best):.3f}x)")
+        print(f"    emitter.stored alone, block {block_size}: {best * 1e6:.1f} us/chunk = {best / base:.1%} of a "
+              f"store-like chunk (ratio {base / (base + best):.3f}x)")
 
 
 def main() -> None:

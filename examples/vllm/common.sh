@@ -5,6 +5,7 @@ KVTIER_PY=${SERVER_PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$KVTIER_PY" ] || KVTIER_PY=$VLLM_PY
 MODEL=${MODEL:-$HOME/.cache/kvtier/models/smollm2-135m-instruct}
 CHUNK_SIZE=${CHUNK_SIZE:-256}
+BLOCK_SIZE=${BLOCK_SIZE:-128}  # vLLM's block size: 128 on vLLM CPU, 16 on GPU (the connector checks it at startup)
 KV_PORT=${KV_PORT:-5555}
 KV_ADMIN_PORT=${KV_ADMIN_PORT:-8080}
 LOG_DIR=${LOG_DIR:-$(mktemp -d -t kvtier-vllm-XXXX)}
@@ -42,7 +43,7 @@ wait_http() {  # wait_http URL NAME PID: until URL answers 200, or fail when PID
 
 start_kvtier() {
     "$KVTIER_PY" -m kvtier server --port "$KV_PORT" --admin-port "$KV_ADMIN_PORT" --l1-size-gb "${L1_SIZE_GB:-2}" \
-        --eviction-policy LRU --chunk-size "$CHUNK_SIZE" >"$LOG_DIR/kvtier.log" 2>&1 &
+        --eviction-policy LRU --chunk-size "$CHUNK_SIZE" --block-size "$BLOCK_SIZE" >"$LOG_DIR/kvtier.log" 2>&1 &
     PIDS+=($!)
     wait_http "http://127.0.0.1:$KV_ADMIN_PORT/healthz" kvtier "$!"
 }

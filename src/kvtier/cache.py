@@ -18,7 +18,8 @@ import xxhash
 from kvtier.config import KVTierConfig
 from kvtier.errors import InputError, KVTierError
 from kvtier.hashing import as_token_array, prefix_hashes
-from kvtier.keys import ChunkKey
+from kvtier.identity import check_extra_keys, num_blocks_of
+from kvtier.keys import ChunkKey, chunk_layout_id
 from kvtier.l1.store import L1Store
 from kvtier.l2 import create_adapter
 from kvtier.l2.tier import L2Tier, WriteItem
@@ -27,13 +28,25 @@ from kvtier.metrics import Metrics
 
 
 @dataclass(slots=True)
+class PromptBlocks:
+    """One prompt's block digests (``block_size`` tokens each; with ``save_unfull_chunk`` the last may be
+    partial) and the per-block extra keys they were hashed with: what chunk keys and events are made of."""
+
+    block_size: int
+    digests: list[bytes]
+    extra_keys: tuple | None
+
+
+@dataclass(slots=True)
 class ChunkRef:
-    """Chunk ``index`` of a prompt: its key and token range ``[start, end)``."""
+    """Chunk ``index`` of a prompt: its key (the digest of its last block), token range ``[start, end)`` and
+    the prompt's blocks (shared by every ref of the prompt)."""
 
     index: int
     key: ChunkKey
     start: int
     end: int
+    blocks: PromptBlocks
 
 
 @dataclass(slots=True)
@@ -91,7 +104,7 @@ class Tiers:
     def _on_l1_evict(self, evicted) -> None:
         self.metrics.inc("kvtier_evicted_chunks_total", len(evicted), medium="CPU")
         if self.events is not None:
-            self.events.removed([key.prefix_hash for key, _ in evicted], "CPU")
+            self.events.removed([key.name() for key, _ in evicted], "CPU")
 
     def refresh_gauges(self) -> None:
         self.metrics.set("kvtier_l1_usage_bytes", self.l1.used_bytes)
@@ -122,11 +135,17 @@ class KVCache:
     """A KV cache for one (model, KV layout) over shared tiers.
 
     Args:
-        config: the configuration tree (chunk size, hashing, L1 size, L2 adapters, events).
-        model: model id; part of every key.
+        config: the configuration tree (chunk and block size, hashing, L1 size, L2 adapters, events).
+        model: the weights' identity (``identity.model_identity``, or a model id that changes with the
+            weights); part of every key.
         layout: the KV layout; part of every key (so different dtypes or TP splits never mix).
-        namespace: default namespace (LoRA name / cache_salt, see ``keys.namespace_of``).
+        namespace: default namespace (LoRA identity / cache_salt, see ``keys.namespace_of``).
         tiers: shared tiers (a server passes one for all its caches); created from ``config`` if None.
+
+    Every method that takes tokens also takes ``extra_keys``: None, or one entry per block of ``block_size``
+    tokens (a trailing partial block included), each None or a tuple of the engine's extra keys for that block
+    (``identity.block_extra_keys``; vLLM's ``generate_block_hash_extra_keys``). They enter the hashes, so a
+    LoRA, salted or multimodal request never shares chunks with another. Bad ones raise InputError.
     """
 
     def __init__(self, config: KVTierConfig, model: str, layout: KVLayout, *, namespace: str = "",
@@ -140,27 +159,36 @@ class KVCache:
         self._owns_tiers = tiers is None
         self.tiers = tiers or Tiers(config, publish_events=publish_events)
         self.l1, self.l2, self.metrics = self.tiers.l1, self.tiers.l2, self.tiers.metrics
-        self._memo: OrderedDict = OrderedDict()  # prompt digest -> chunk refs; lookup, retrieve, store share them
+        self._key_layout_id = chunk_layout_id(layout.layout_id, config.chunk_size)
+        self._memo: OrderedDict = OrderedDict()  # (namespace, prompt digest, extra keys) -> chunk refs; lookup,
+        # retrieve and store share them
         self._memo_lock = threading.Lock()
 
     # ---- keys --------------------------------------------------------------------------
-    def chunk_refs(self, tokens, namespace: str | None = None) -> tuple[np.ndarray, list[ChunkRef]]:
-        """Validate ``tokens`` and cut them into chunk refs (full chunks; the partial tail only with
-        ``save_unfull_chunk``). Raises InputError on bad tokens."""
+    def chunk_refs(self, tokens, namespace: str | None = None, *,
+                   extra_keys=None) -> tuple[np.ndarray, list[ChunkRef]]:
+        """Validate ``tokens`` (and ``extra_keys``) and cut them into chunk refs: full chunks, and the partial
+        tail only with ``save_unfull_chunk``. Blocks are hashed in a chain (``hashing.prefix_hashes``); a chunk's
+        key is the digest of its last block. Raises InputError on bad tokens or extra keys."""
         arr = as_token_array(tokens)
         ns = self.namespace if namespace is None else namespace
-        memo_key = (ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()))
+        cfg = self.config
+        bs, c = cfg.effective_block_size, cfg.chunk_size
+        extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), bs))
+        memo_key = (ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()), extra)
         with self._memo_lock:
             refs = self._memo.get(memo_key)
             if refs is not None:
                 self._memo.move_to_end(memo_key)
                 return arr, refs
-        c = self.config.chunk_size
-        digests = prefix_hashes(arr, c, self.config.hash_algorithm, self.config.hash_seed,
-                                include_partial=self.config.save_unfull_chunk)
-        layout_id = self.layout.layout_id
-        refs = [ChunkRef(i, ChunkKey(self.model, layout_id, ns, d), i * c, min((i + 1) * c, len(arr)))
-                for i, d in enumerate(digests)]
+        end = len(arr) if cfg.save_unfull_chunk else len(arr) // c * c  # tokens that belong to a chunk
+        digests = prefix_hashes(arr[:end], bs, cfg.hash_algorithm, cfg.hash_seed, extra, include_partial=True)
+        blocks = PromptBlocks(bs, digests, None if extra is None else extra[:len(digests)])
+        refs = []
+        for i, start in enumerate(range(0, end, c)):
+            stop = min(start + c, end)
+            key = ChunkKey(self.model, self._key_layout_id, ns, digests[num_blocks_of(stop, bs) - 1])
+            refs.append(ChunkRef(i, key, start, stop, blocks))
         with self._memo_lock:
             self._memo[memo_key] = refs
             if len(self._memo) > 256:
@@ -168,9 +196,9 @@ class KVCache:
         return arr, refs
 
     # ---- lookup ------------------------------------------------------------------------
-    def lookup(self, tokens, namespace: str | None = None) -> int:
+    def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
         """Number of leading tokens whose KV is available (L1, then L2). Read-only: nothing is promoted."""
-        arr, refs = self.chunk_refs(tokens, namespace)
+        arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         n_l1 = 0
         while n_l1 < len(refs) and self.l1.contains(refs[n_l1].key):
             n_l1 += 1
@@ -185,10 +213,10 @@ class KVCache:
         return total
 
     # ---- store -------------------------------------------------------------------------
-    def begin_store(self, tokens, namespace: str | None = None) -> StoreTicket:
+    def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None) -> StoreTicket:
         """Reserve L1 slots for the chunks of ``tokens`` not yet stored (stops at the first chunk that
         cannot get space). The slots are invisible until ``commit_store``."""
-        arr, refs = self.chunk_refs(tokens, namespace)
+        arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         ticket = StoreTicket(arr, refs)
         for ref in refs:
             if self.l1.contains(ref.key):
@@ -211,24 +239,22 @@ class KVCache:
         for slot in reversed(ticket.slots):  # tail inserted first: the policy evicts tails before heads
             self.l1.commit(slot.ref.key)
         self.metrics.inc("kvtier_store_chunks_total", len(ticket.slots))
-        hashes = [r.key.prefix_hash for r in ticket.refs]
         for run in _runs(ticket.slots):
-            first, last = run[0].ref, run[-1].ref
-            prefix = ticket.tokens[: last.end]
             if self.tiers.events is not None:
-                self.tiers.events.stored(prefix, first.index, len(run), "CPU", chunk_hashes=hashes)
-            items = []
+                self.tiers.events.stored(ticket.tokens, [slot.ref for slot in run], "CPU")
+            items, refs = [], []
             for slot in run:
                 pinned = self.l1.acquire(slot.ref.key, count_access=False)  # keep the bytes until written
                 if pinned is None:
                     break
                 items.append(WriteItem(slot.ref.key, self.layout,
                                        ticket.tokens[slot.ref.start:slot.ref.end].tolist(), pinned[0]))
-            self.l2.write_async(prefix, first.index, items, self.l1.release, hashes[: last.index + 1])
+                refs.append(slot.ref)
+            self.l2.write_async(ticket.tokens, items, self.l1.release, refs)
         self.tiers.refresh_gauges()
         return len(ticket.slots)
 
-    def store(self, tokens, kv, namespace: str | None = None) -> int:
+    def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
         """Store the KV of ``tokens``; only chunks not yet in L1 are written.
 
         Args:
@@ -245,7 +271,7 @@ class KVCache:
         arr = as_token_array(tokens)
         self.layout.validate_kv(kv, len(arr))
         src = as_numpy(kv)
-        ticket = self.begin_store(arr, namespace)
+        ticket = self.begin_store(arr, namespace, extra_keys=extra_keys)
         try:
             for slot in ticket.slots:
                 dst = np.frombuffer(slot.view, dtype=src.dtype).reshape(self.layout.chunk_shape(slot.ref.end - slot.ref.start))
@@ -258,9 +284,9 @@ class KVCache:
         return stored
 
     # ---- retrieve ----------------------------------------------------------------------
-    def begin_retrieve(self, tokens, namespace: str | None = None) -> RetrieveTicket:
+    def begin_retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None) -> RetrieveTicket:
         """Pin the leading available chunks in L1, promoting L2 hits into L1 first."""
-        arr, refs = self.chunk_refs(tokens, namespace)
+        arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         n = 0
         while n < len(refs) and self.l1.contains(refs[n].key):
             n += 1
@@ -299,9 +325,8 @@ class KVCache:
             count += 1
         if promoted:
             self.metrics.inc("kvtier_l2_promoted_chunks_total", promoted)
-            if self.tiers.events is not None:
-                self.tiers.events.stored(arr[: refs[count - 1].end], refs[0].index, count, "CPU",
-                                         chunk_hashes=[r.key.prefix_hash for r in all_refs[: start + count]])
+            if self.tiers.events is not None:  # copies already in L1 are skipped there
+                self.tiers.events.stored(arr, refs[:count], "CPU")
         return count
 
     def end_retrieve(self, ticket: RetrieveTicket) -> None:
@@ -310,7 +335,7 @@ class KVCache:
             self.l1.release(slot.ref.key)
         ticket.slots.clear()
 
-    def retrieve(self, tokens, namespace: str | None = None):
+    def retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None):
         """KV of the leading available tokens of ``tokens``.
 
         Returns:
@@ -320,7 +345,7 @@ class KVCache:
         """
         torch = require_torch()
         started = time.perf_counter()
-        ticket = self.begin_retrieve(tokens, namespace)
+        ticket = self.begin_retrieve(tokens, namespace, extra_keys=extra_keys)
         try:
             out = torch.empty(self.layout.chunk_shape(ticket.num_tokens), dtype=getattr(torch, self.layout.dtype))
             dst = as_numpy(out)

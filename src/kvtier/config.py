@@ -20,7 +20,7 @@ import yaml
 from pydantic import BeforeValidator, Field
 
 from kvtier.errors import ConfigError
-from kvtier.hashing import ALGORITHMS, DEFAULT_SEED
+from kvtier.hashing import ALGORITHMS, DEFAULT_ALGORITHM, DEFAULT_SEED
 
 _UNITS = {"": None, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -111,7 +111,6 @@ class KVEventsConfig(_Section):
     topic: str = "kv-events"
     encoding: Literal["vllm", "vllm-legacy", "sglang"] = "vllm"
     hash_format: Literal["int", "bytes"] = "int"
-    event_block_size: int | None = Field(None, gt=0)  # None: the chunk size
     hwm: int = Field(100_000, ge=0)
     buffer_steps: int = Field(10_000, gt=0)  # replay ring size, in batches
     max_queue_size: int = Field(100_000, gt=0)  # events queued before the publisher thread; overflow is dropped and counted
@@ -138,7 +137,8 @@ class KVTierConfig(_Section):
     """The whole configuration tree. Every key, unit and default is listed in docs/configuration.md."""
 
     chunk_size: int = Field(256, gt=0)  # tokens per chunk; a multiple of the engine's block size
-    hash_algorithm: Annotated[str, BeforeValidator(_algorithm)] = "sha256_cbor"
+    block_size: int | None = Field(None, gt=0)  # the engine's block size: hashes chain per block; None: chunk_size
+    hash_algorithm: Annotated[str, BeforeValidator(_algorithm)] = DEFAULT_ALGORITHM
     hash_seed: str = DEFAULT_SEED
     save_unfull_chunk: Bool = False
     l1_size_gb: SizeGB = 1.0
@@ -151,9 +151,21 @@ class KVTierConfig(_Section):
     kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
+    @pydantic.model_validator(mode="after")
+    def _block_divides_chunk(self):
+        if self.chunk_size % self.effective_block_size:
+            raise ValueError(f"block_size ({self.block_size}) must divide chunk_size ({self.chunk_size}); set it "
+                             "to the engine's block size (16 on GPU vLLM, 128 on vLLM CPU) and chunk_size to a multiple")
+        return self
+
     @property
     def l1_size_bytes(self) -> int:
         return int(self.l1_size_gb * 10**9)
+
+    @property
+    def effective_block_size(self) -> int:
+        """Tokens per hashed block: ``block_size``, or ``chunk_size`` when it is None."""
+        return self.block_size or self.chunk_size
 
 
 # LMCache YAML key -> how to translate it (LMCache sizes are GB).
@@ -222,12 +234,20 @@ def _section_of(loc: tuple) -> type[pydantic.BaseModel]:
     return model
 
 
+# removed key path -> what to use instead
+_REMOVED = {("kv_events", "event_block_size"): "events are published per engine block of the top-level "
+            "'block_size' (flag --block-size, variable KVTIER_BLOCK_SIZE); set that to the engine's block size"}
+
+
 def build_config(data: dict) -> KVTierConfig:
     """Validate a plain dict (already merged from every source) into a KVTierConfig.
 
     Raises:
         ConfigError: naming the offending key, what was wrong, and the nearest valid key.
     """
+    for (section, key), instead in _REMOVED.items():
+        if isinstance(data.get(section), dict) and key in data[section]:
+            raise ConfigError(f"invalid configuration: key '{section}.{key}' was removed: {instead}")
     try:
         return KVTierConfig(**data)
     except pydantic.ValidationError as exc:
@@ -239,7 +259,10 @@ def build_config(data: dict) -> KVTierConfig:
                 msgs.append(f"unknown key {key!r}{_nearest(str(loc[-1]), _section_of(loc))}")
             else:
                 cause = err.get("ctx", {}).get("error")  # kvtier's own validators already quote the value
-                msgs.append(f"key {key!r}: {cause}" if cause else f"key {key!r}: {err['msg']} (got {err.get('input')!r})")
+                if not key:  # a check across keys (block_size vs chunk_size): its message names them
+                    msgs.append(str(cause or err["msg"]))
+                else:
+                    msgs.append(f"key {key!r}: {cause}" if cause else f"key {key!r}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
 
 

@@ -25,7 +25,6 @@ import click
 
 from kvtier.errors import InputError, KVTierError
 
-MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_DOCUMENTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GPL")
 SYSTEM_PROMPT = "You are a helpful assistant. Answer questions about the document the user gives you, briefly."
 QUESTIONS = (
@@ -86,14 +85,17 @@ def build_prompt(tokenizer, document: str, question: str) -> list[int]:
 def open_cache(model, *, server: str | None, chunk_size: int | None, l1_size_gb: str, disk_path: str | None,
                events: bool = False):
     """A ``kvtier.server.Client`` for the server URL ``server``; else an in-process ``KVCache`` over L1 and
-    a local disk tier at ``disk_path``. ``chunk_size`` None: 256 in process; the server's own with a server."""
+    a local disk tier at ``disk_path``. ``chunk_size`` None: 256 in process; the server's own with a server.
+    Keys name the weights' identity (the converted SmolLM2 folder's, ``hf.model_identity_of``)."""
+    from kvtier.connectors.hf import model_identity_of
     from kvtier.models import kv_layout_of
 
     layout = kv_layout_of(model)
+    model_id = model_identity_of(model)
     if server:
         from kvtier.server import Client
 
-        client = Client(server, model=MODEL_ID, layout=layout, expect={"chunk_size": chunk_size} if chunk_size else None)
+        client = Client(server, model=model_id, layout=layout, expect={"chunk_size": chunk_size} if chunk_size else None)
         if client.info is None:  # an engine would serve without the cache; a demo without one shows nothing
             client.close()
             raise KVTierError(f"cannot reach a kvtier server at {server}; start one (kvtier server --l1-size-gb 2 "
@@ -104,7 +106,7 @@ def open_cache(model, *, server: str | None, chunk_size: int | None, l1_size_gb:
 
     overrides = {"chunk_size": chunk_size or 256, "l1_size_gb": l1_size_gb,
                  "l2_adapters": [{"type": "local_disk", "path": disk_path}], "enable_kv_events": events or None}
-    return KVCache(load_config(overrides=overrides, environ=_cache_environ()), MODEL_ID, layout, publish_events=False)
+    return KVCache(load_config(overrides=overrides, environ=_cache_environ()), model_id, layout, publish_events=False)
 
 
 def _cache_environ() -> dict[str, str]:
@@ -246,7 +248,7 @@ def run_demo(opts: dict, log=lambda msg: None) -> dict:
                            disk_path=disk_path, events=opts.get("events", False))
         stack.callback(cache.close)
         cache.clear()
-        connector = HFConnector(model, cache, model_id=MODEL_ID)
+        connector = HFConnector(model, cache)
         questions = [QUESTIONS[0], QUESTIONS[0], *QUESTIONS[1:]]
         rounds = []
         for i in range(opts["rounds"]):
@@ -312,7 +314,7 @@ def _run_child_round(opts: dict) -> None:
     cache = open_cache(model, server=server, chunk_size=opts["chunk_size"], l1_size_gb=opts["l1_size_gb"],
                        disk_path=opts["disk_path"])
     try:
-        row = answer(HFConnector(model, cache, model_id=MODEL_ID), tokenizer, document, CROSS_PROCESS_QUESTION,
+        row = answer(HFConnector(model, cache), tokenizer, document, CROSS_PROCESS_QUESTION,
                      opts["max_new_tokens"])
     finally:
         cache.close()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
+import cbor2
 import xxhash
 
 
@@ -12,11 +14,14 @@ class ChunkKey:
     """Identity of one stored chunk.
 
     Attributes:
-        model: model id (e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``).
-        layout_id: ``KVLayout.layout_id`` (dtype, layers, KV heads, head dim, TP split).
-        namespace: isolates KV that must not be shared: LoRA adapter name and/or ``cache_salt``;
+        model: the weights' identity (``identity.model_identity``, e.g. ``"smollm2-135m-instruct@1f0c..."``), or a
+            model id the user sets and changes whenever the weights change; never a served name alone.
+        layout_id: ``chunk_layout_id(KVLayout.layout_id, chunk_size)``: dtype, layers, KV heads, head dim, TP
+            split, and the chunk size (a chunk's key names where its tokens end, the chunk size where they start).
+        namespace: ``namespace_of(...)``: isolates KV that must not be shared (LoRA adapter identity, cache salt);
             ``""`` for the base model.
-        prefix_hash: digest of the token prefix up to and including this chunk (``hashing.prefix_hashes``).
+        prefix_hash: digest of the chunk's last block (``hashing.prefix_hashes``): identifies the token prefix
+            up to the chunk's end, with the engine's extra keys (LoRA, salt, multimodal items).
     """
 
     model: str
@@ -40,14 +45,23 @@ def scope_of(model: str, layout_id: str, namespace: str = "") -> str:
     return xxhash.xxh3_64_hexdigest(b"".join(len(p).to_bytes(4, "big") + p for p in parts))
 
 
-def namespace_of(lora_name: str | None = None, cache_salt: str | None = None) -> str:
-    """Namespace string for a LoRA adapter and/or a cache salt ("" when neither is set)."""
-    parts = []
-    if lora_name:
-        parts.append(f"lora={lora_name}")
-    if cache_salt:
-        parts.append(f"salt={cache_salt}")
-    return ";".join(parts)
+def chunk_layout_id(layout_id: str, chunk_size: int) -> str:
+    """The ``layout_id`` of a ChunkKey: the KV layout's id and the chunk size (``"<layout id>-<chunk size>"``)."""
+    return f"{layout_id}-{chunk_size}"
+
+
+def namespace_of(lora: str | None = None, cache_salt: str | None = None) -> str:
+    """The namespace of a LoRA adapter and/or a cache salt: ``""`` when neither is set, else 32 hex chars of
+    SHA-256 over the canonical CBOR array ``[lora, cache_salt]`` (absent parts as null).
+
+    Injective in its parts (no string joining: ``("x;salt=y", None)`` and ``("x", "y")`` differ) and it never
+    shows the salt. ``lora``: the adapter's identity (``identity.lora_identity``: name, path and a digest of its
+    files), so a re-trained adapter under an old name gets a new namespace. This is the one place a namespace is
+    built: any further isolating part (a tenant) joins the array here.
+    """
+    if not lora and not cache_salt:
+        return ""
+    return hashlib.sha256(cbor2.dumps([lora or None, cache_salt or None], canonical=True)).hexdigest()[:32]
 
 
 def parse_name(name: str) -> tuple[str, bytes]:

@@ -26,7 +26,7 @@ from support.dynamo_procs import MODEL_NAME, Deployment, RouterProbe, start_kvti
 
 from kvtier.server.client import Client  # noqa: E402
 
-BLOCK = 16  # the mocker's block size, and the kvtier server's event block size
+BLOCK = 16  # the mocker's block size, and the kvtier server's block size
 CHUNK = 256
 PROMPT = [100 + (i * 7919) % 40_000 for i in range(2 * CHUNK)]  # two chunks of SmolLM2 token ids
 OTHER = [100 + (i * 104_729) % 40_000 for i in range(2 * CHUNK)]  # nobody stores this one

@@ -9,9 +9,10 @@ import msgspec
 import pytest
 import zmq
 
+from kvtier.cache import KVCache
 from kvtier.config import KVEventsConfig, build_config
 from kvtier.errors import KVTierError
-from kvtier.hashing import prefix_hashes
+from kvtier.layout import KVLayout
 from kvtier.events import (END_SEQ, BlockIndex, BlockStored, EventBatch, EventEmitter, EventPublisher, Gap,
                            Subscriber, decode_batch, encode_batch, should_bind)
 from kvtier.metrics import Metrics
@@ -245,19 +246,21 @@ def test_queue_overflow_is_counted_and_reported_with_the_next_batch(caplog):
 
 @pytest.mark.parametrize("encoding", ["vllm", "vllm-legacy", "sglang"])
 def test_emitter_through_publisher_to_subscriber_index(encoding):
-    kv = dict(endpoint=TCP, replay_endpoint=TCP, encoding=encoding, event_block_size=4,
-              batch_max_delay_ms=1)
-    cfg = build_config({"chunk_size": 8, "hash_seed": "0", "enable_kv_events": True, "kv_events": kv})
+    kv = dict(endpoint=TCP, replay_endpoint=TCP, encoding=encoding, batch_max_delay_ms=1)
+    cfg = build_config({"chunk_size": 8, "block_size": 4, "hash_algorithm": "sha256_cbor", "hash_seed": "0",
+                        "enable_kv_events": True, "kv_events": kv, "l1_size_gb": "1MiB"})
+    tokens = list(range(1, 17))
+    with KVCache(cfg, "m", KVLayout(1, 1, 4), publish_events=False) as cache:
+        refs = cache.chunk_refs(tokens)[1]  # real chunk refs; this cache announces nothing itself
     with EventPublisher(cfg.kv_events) as pub:
         with Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events") as sub:
             sync(pub, sub)
             emitter = EventEmitter(cfg, publisher=pub)
-            tokens = list(range(1, 17))
-            emitter.stored(tokens, 0, 2, "CPU")
-            emitter.stored(tokens, 0, 2, "CPU")  # deduplicated
-            emitter.stored(tokens, 0, 1, "STORAGE")
+            emitter.stored(tokens, refs, "CPU")
+            emitter.stored(tokens, refs, "CPU")  # deduplicated
+            emitter.stored(tokens, refs[:1], "STORAGE")
             emitter.cleared("STORAGE")
-            emitter.removed([prefix_hashes(tokens, 8, "sha256_cbor", "0")[1]], "CPU")
+            emitter.removed([refs[1].key.name()], "CPU")
             index, events = BlockIndex(), []
             while len(events) < 4:
                 item = sub.recv(5)

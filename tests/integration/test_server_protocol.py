@@ -52,7 +52,8 @@ def test_handshake_states_settings_and_data_plane(server):
     reply, _ = raw.ask(hello(id=7))
     assert isinstance(reply, P.HelloReply) and reply.id == 7
     assert reply.version == P.PROTOCOL_VERSION
-    assert (reply.chunk_size, reply.hash_algorithm, reply.save_unfull_chunk) == (CHUNK, "sha256_cbor", False)
+    assert (reply.chunk_size, reply.hash_algorithm, reply.save_unfull_chunk) == (CHUNK, "sha256", False)
+    assert reply.block_size == CHUNK  # no --block-size: blocks are chunks
     assert reply.hash_seed == "vllm-none-hash"
     assert reply.shm_name and reply.shm_capacity_bytes == server.status()["l1"]["capacity_bytes"]
     assert reply.lease_seconds == 30.0
@@ -87,6 +88,13 @@ def test_layout_mismatch_names_what_differs(server):
 def test_client_refuses_config_mismatch_at_construction(server):
     with pytest.raises(ProtocolError, match="chunk_size differs: client expects 256, server uses 16"):
         Client(server.url, model="m", layout=LAYOUT, expect={"chunk_size": 256}, timeout_s=10)
+    # what a vLLM engine expects: its block size and hashing; the refusal names the server flags to use
+    with pytest.raises(ProtocolError) as refused:
+        Client(server.url, model="m", layout=LAYOUT, timeout_s=10,
+               expect={"block_size": 8, "hash_algorithm": "xxhash", "hash_seed": "0"})
+    for text in ("block_size differs: client expects 8, server uses 16 (start the server with --block-size 8)",
+                 "--hash-algorithm xxhash", "--hash-seed 0"):
+        assert text in str(refused.value)
     with Client(server.url, model="m", layout=LAYOUT, expect={"chunk_size": CHUNK}, timeout_s=10) as ok:
         assert ok.ping()
 

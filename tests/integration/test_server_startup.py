@@ -38,6 +38,8 @@ GOOD = ("--l1-size-gb", "0.01", "--eviction-policy", "LRU")
     ((*GOOD, "--l2-adapter", '{"type": "local_disk", "path": "/tmp/x", "colour": 1}'), "unknown field 'colour'"),
     ((*GOOD, "--l2-adapter", '{"type": "local_disk",'), "is not valid JSON"),
     ((*GOOD, "--l2-adapter", '["local_disk"]'), "must be a JSON object"),
+    ((*GOOD, "--event-block-size", "16"), "--event-block-size was removed: use --block-size"),
+    ((*GOOD, "--chunk-size", "256", "--block-size", "100"), "block_size (100) must divide chunk_size (256)"),
 ])
 def test_bad_startup_is_refused_with_one_line(args, expected):
     line = refused(*args)

@@ -83,14 +83,16 @@ def wait_healthy(server, url: str, what: str, timeout_s: float) -> None:
 
 
 class KVTierServer:
-    """A ``kvtier server`` subprocess with ``chunk_size`` tokens per chunk, on free 127.0.0.1 ports."""
+    """A ``kvtier server`` subprocess with ``chunk_size`` tokens per chunk, hashing per ``block_size`` (vLLM CPU's
+    block size: the connector refuses a server that hashes otherwise), on free 127.0.0.1 ports."""
 
-    def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB"):
+    def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB", block_size: int = 128):
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"kvtier-server-{self.port}.log"
         argv = [sys.executable, "-m", "kvtier", "server", "--port", str(self.port), "--admin-port",
-                str(self.admin_port), "--l1-size-gb", l1, "--eviction-policy", "LRU", "--chunk-size", str(chunk_size)]
+                str(self.admin_port), "--l1-size-gb", l1, "--eviction-policy", "LRU", "--chunk-size", str(chunk_size),
+                "--block-size", str(block_size)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -108,8 +108,9 @@ class Deployment:
             proc.stop(timeout_s=20)
 
 
-def start_kvtier_server(work: Path, chunk_size: int, event_block_size: int) -> tuple[services.Proc, dict]:
-    """A running ``kvtier server`` publishing KV events (block hashes per ``event_block_size`` tokens) with a local-disk L2.
+def start_kvtier_server(work: Path, chunk_size: int, block_size: int) -> tuple[services.Proc, dict]:
+    """A running ``kvtier server`` hashing per ``block_size`` tokens (the engines' block size) and publishing KV
+    events for those blocks, with a local-disk L2.
 
     Returns the process and its addresses: ``url`` (requests), ``admin`` (HTTP), ``events`` (the PUB socket).
     """
@@ -118,7 +119,7 @@ def start_kvtier_server(work: Path, chunk_size: int, event_block_size: int) -> t
     argv = [sys.executable, "-m", "kvtier", "server", "--port", str(port), "--admin-port", str(admin),
             "--l1-size-gb", "0.1", "--eviction-policy", "LRU", "--chunk-size", str(chunk_size),
             "--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-            "--event-block-size", str(event_block_size),
+            "--block-size", str(block_size),
             "--l2-adapter", json.dumps({"type": "local_disk", "path": str(l2)})]
     proc = services.Proc("kvtier-server", argv, work / "kvtier-server.log").start()
     addresses = {"url": f"tcp://127.0.0.1:{port}", "admin": f"http://127.0.0.1:{admin}",

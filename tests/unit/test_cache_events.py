@@ -1,11 +1,13 @@
 """Events emitted by the cache itself: every tier, removals, clears, engine-aligned hashes."""
 
+import pytest
 import torch
 
-from kvtier.cache import KVCache
+from kvtier.cache import KVCache, Tiers
 from kvtier.config import build_config
 from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvtier.hashing import event_id, prefix_hashes
+from kvtier.keys import namespace_of
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
@@ -46,13 +48,55 @@ def test_store_emits_cpu_then_storage_with_chained_parents(tmp_path):
 
 
 def test_hashes_line_up_with_engine_blocks(tmp_path):
-    """event_block_size = the engine's block size: published hashes equal vLLM's (§2.4 vectors)."""
-    cache = make_cache(tmp_path, hash_seed="0", kv_events={"event_block_size": 4}, l2_adapters=[])
-    cache.store([1, 2, 3, 4, 5, 6, 7, 8], kv(8))
-    (event,) = by_type(cache.take_events(), BlockStored, "CPU")
-    assert event.block_hashes == [2164874634404590027, 17270480062156288726]
-    assert event.block_size == 4
-    cache.close()
+    """block_size = the engine's block size: published hashes equal vLLM's (§2.4 vectors), for both algorithms."""
+    for algorithm, ids in (("sha256_cbor", [2164874634404590027, 17270480062156288726]),
+                           ("sha256", [10362225831949560093, 12472515041799373675])):
+        cache = make_cache(tmp_path, hash_seed="0", hash_algorithm=algorithm, block_size=4, l2_adapters=[])
+        cache.store([1, 2, 3, 4, 5, 6, 7, 8], kv(8))
+        (event,) = by_type(cache.take_events(), BlockStored, "CPU")
+        assert event.block_hashes == ids and event.block_size == 4 and event.extra_keys == [None, None]
+        # the chunk's key is the digest of its last block
+        (ref,) = cache.chunk_refs([1, 2, 3, 4, 5, 6, 7, 8])[1]
+        assert event_id(ref.key.prefix_hash) == ids[-1]
+        cache.close()
+
+
+@pytest.mark.parametrize("other", ["namespace", "model"])
+def test_one_block_stored_per_copy_and_no_removal_while_a_copy_holds_the_hash(tmp_path, other):
+    """Two copies of the same tokens (under another namespace, or another model's weights) carry the same
+    block hashes, as vLLM's would (they hold neither): each copy is announced, and evicting one copy from L1
+    publishes no BlockRemoved while the other still holds those hashes."""
+    cfg = build_config({"chunk_size": 8, "enable_kv_events": True, "l1_size_gb": f"{LAYOUT.chunk_bytes(8) * 4 + 128}B",
+                        "l2_adapters": [{"type": "local_disk", "path": str(tmp_path / "disk")}]})
+    tiers = Tiers(cfg, publish_events=False)
+    a = KVCache(cfg, "weights@1", LAYOUT, tiers=tiers)
+    b = (KVCache(cfg, "weights@2", LAYOUT, tiers=tiers) if other == "model"
+         else KVCache(cfg, "weights@1", LAYOUT, namespace=namespace_of(cache_salt="s"), tiers=tiers))
+    tokens = list(range(16))
+    assert a.store(tokens, kv(16)) == 2 and b.store(tokens, kv(16)) == 2
+    tiers.l2.flush()  # chunks stay pinned until written to L2
+    ids = [event_id(h) for h in prefix_hashes(tokens, 8)]
+    events = a.take_events()
+    for medium in ("CPU", "STORAGE"):
+        assert [e.block_hashes for e in by_type(events, BlockStored, medium)] == [ids, ids], medium
+    assert b.lookup(tokens) == 16 and a.lookup(tokens) == 16  # two copies, neither hides the other
+    # L1 holds four chunks: each new one evicts the least recently used (a's tail, a's head, b's tail, ...)
+    for i in range(2):
+        a.store(list(range(100 + 8 * i, 108 + 8 * i)), kv(8))
+        tiers.l2.flush()
+    assert not by_type(a.take_events(), BlockRemoved), "a's copies went, b's still hold the hashes"
+    assert a.tiers.l1.contains(b.chunk_refs(tokens)[1][0].key)
+    a.store(list(range(200, 208)), kv(8))  # now b's tail goes: its hash is held by nobody in L1
+    tiers.l2.flush()
+    assert by_type(a.take_events(), BlockRemoved) == [BlockRemoved([ids[1]], "CPU")]
+    # clearing L2 only: each hash held there is named once, L1 untouched
+    tiers.clear("STORAGE")
+    [cleared] = a.take_events()
+    assert cleared.medium == "STORAGE" and sorted(cleared.block_hashes) == sorted(set(cleared.block_hashes))
+    assert set(ids) <= set(cleared.block_hashes)
+    tiers.clear()
+    assert a.take_events() == [AllBlocksCleared()]
+    tiers.close()
 
 
 def test_eviction_and_clears(tmp_path):

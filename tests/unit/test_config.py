@@ -57,6 +57,10 @@ def test_lmcache_style_file(tmp_path):
     ({"eviction_policy": "MRU"}, "LRU, ARC, S3FIFO"),
     ({"hash_algorithm": "md5"}, "sha256_cbor"),
     ({"save_unfull_chunk": "maybe"}, "boolean"),
+    ({"kv_events": {"event_block_size": 16}}, "'kv_events.event_block_size' was removed: events are published per "
+                                              "engine block of the top-level 'block_size' (flag --block-size"),
+    ({"chunk_size": 256, "block_size": 96}, "block_size .96. must divide chunk_size .256."),
+    ({"block_size": 0}, "block_size"),
 ])
 def test_errors_name_the_key(data, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
@@ -81,3 +85,13 @@ def test_admin_token_is_secret():
 def test_unknown_environment_key_is_named():
     with pytest.raises(ConfigError, match="KVTIER_|l1_size|did you mean 'l1_size_gb'"):
         load_config(environ={"KVTIER_L1_SIZE": "2"})
+
+
+def test_block_size_defaults_to_the_chunk_size_and_hashing_to_vllms_defaults():
+    cfg = build_config({"chunk_size": 256})
+    assert cfg.block_size is None and cfg.effective_block_size == 256
+    assert (cfg.hash_algorithm, cfg.hash_seed) == ("sha256", "vllm-none-hash")
+    assert build_config({"chunk_size": 256, "block_size": 16}).effective_block_size == 16
+    assert load_config(environ={"KVTIER_BLOCK_SIZE": "128", "KVTIER_CHUNK_SIZE": "256"}).block_size == 128
+    with pytest.raises(ConfigError, match="--block-size"):
+        load_config(environ={"KVTIER_KV_EVENTS__EVENT_BLOCK_SIZE": "16"})

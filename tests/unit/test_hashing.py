@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError, InputError
-from kvtier.hashing import ALGORITHMS, as_token_array, event_id, prefix_hashes, root_hash
+from kvtier.hashing import ALGORITHMS, DEFAULT_ALGORITHM, as_token_array, event_id, prefix_hashes, root_hash
 
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -74,7 +74,48 @@ def test_fast_cbor_path_equals_cbor2(algorithm):
     assert prefix_hashes(tokens, 32, algorithm, "s") == expected
 
 
-def test_chunking_partial_and_extra_keys():
+def test_default_algorithm_is_vllm_032s_default():
+    assert DEFAULT_ALGORITHM == "sha256"  # vLLM 0.32 CacheConfig.prefix_caching_hash_algo; checked against vLLM
+    assert prefix_hashes(TOKENS, 4, seed="vllm-none-hash") == prefix_hashes(TOKENS, 4, "sha256", "vllm-none-hash")
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "xxhash"])
+def test_fast_pickle_path_equals_pickle_dumps(algorithm):
+    """The vectorised pickle encoder must give the bytes of pickle.dumps(..., protocol=5) for every token
+    width (BININT1/BININT2/BININT), block lengths 1-3 (TUPLE1-3) and more (MARK ... TUPLE), partial blocks,
+    and blocks with extra keys in between (those go through pickle itself)."""
+    import hashlib
+    import pickle
+
+    import xxhash
+    digest = (lambda b: hashlib.sha256(b).digest()) if algorithm == "sha256" else xxhash.xxh3_128_digest
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        block_size = int(rng.integers(1, 48))
+        high = int(rng.choice([24, 256, 65536, 2**31]))
+        tokens = rng.integers(0, high, int(rng.integers(0, 300))).tolist()
+        partial = bool(trial % 2)
+        n = len(tokens) // block_size + (1 if partial and len(tokens) % block_size else 0)
+        extra = [("lora", "a", "/p") if rng.random() < 0.2 else None for _ in range(n)]
+        extra = [None if e is None else (e,) for e in extra]
+        parent, expected = root_hash(algorithm, "s"), []
+        for i in range(n):
+            block = tuple(tokens[i * block_size:(i + 1) * block_size])
+            parent = digest(pickle.dumps((parent, block, extra[i]), protocol=5))
+            expected.append(parent)
+        assert prefix_hashes(tokens, block_size, algorithm, "s", extra, include_partial=partial) == expected, trial
+
+
+def test_token_ids_beyond_int32_fall_back_to_pickle():
+    import hashlib
+    import pickle
+    tokens = [1, 2**31, 2**40, 5]
+    parent = root_hash("sha256", "s")
+    want = hashlib.sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5)).digest()
+    assert prefix_hashes(tokens, 4, "sha256", "s") == [want]
+
+
+def test_blocks_partial_and_extra_keys():
     tokens = list(range(10))
     assert len(prefix_hashes(tokens, 4)) == 2
     with_tail = prefix_hashes(tokens, 4, include_partial=True)
@@ -95,9 +136,9 @@ def test_bad_tokens_rejected(bad):
 
 def test_bad_chunk_size_and_algorithm():
     for size in (0, -4, 2.5):
-        with pytest.raises(InputError, match="chunk_size"):
+        with pytest.raises(InputError, match="block_size"):
             prefix_hashes([1, 2, 3], size)
-    with pytest.raises(ConfigError, match="sha256_cbor"):
+    with pytest.raises(ConfigError, match="sha256"):
         prefix_hashes([1, 2, 3], 1, algorithm="md5")
 
 

@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvtier.errors import InputError, KVTierError
 from kvtier.hashing import as_token_array
+from kvtier.identity import model_identity
 from kvtier.models import kv_layout_of
 
 
@@ -61,6 +62,21 @@ def dynamic_cache_to_kv(cache: DynamicCache, num_tokens: int) -> torch.Tensor:
     return out
 
 
+def model_identity_of(model) -> str:
+    """The weights' identity (``identity.model_identity``) of a loaded transformers model: its folder or hub repo
+    id (``config.name_or_path``) and revision (``config._commit_hash``), never a display name.
+
+    Raises:
+        InputError: the model was built in memory (no ``name_or_path``): pass an explicit model id that changes
+            whenever the weights change.
+    """
+    source = getattr(model.config, "name_or_path", "")
+    if not source:
+        raise InputError("this model has no name_or_path (built in memory, not loaded from a folder or the hub); "
+                         "pass model_id explicitly, one that changes whenever the weights change")
+    return model_identity(source, getattr(model.config, "_commit_hash", None))
+
+
 def _chunk_size(cache) -> int | None:
     """The cache's chunk size if it tells (KVCache: ``config.chunk_size``; server Client: ``info.chunk_size``
     once its handshake is done), else None."""
@@ -78,7 +94,8 @@ class HFConnector:
         model: a loaded ``PreTrainedModel`` (decoder-only; full attention on every layer; batch 1).
         cache: a ``kvtier.cache.KVCache`` or ``kvtier.server.Client``: anything with ``lookup(tokens) -> int``,
             ``retrieve(tokens) -> (kv, n)`` and ``store(tokens, kv) -> int`` for this model's KV layout.
-        model_id: the model id the cache was opened with; checked against ``cache.model`` when both are known.
+        model_id: the model id the cache was opened with (``model_identity_of(model)`` for a model loaded from a
+            folder or the hub); checked against ``cache.model`` when both are known.
 
     Raises:
         InputError: the cache was opened for another model id or KV layout, or the model uses a
@@ -89,7 +106,8 @@ class HFConnector:
         self.model = model
         self.cache = cache
         self.layout = kv_layout_of(model)
-        self.model_id = model_id or getattr(cache, "model", None) or model.config.name_or_path
+        self.model_id = model_id or getattr(cache, "model", None) or (
+            model_identity_of(model) if getattr(model.config, "name_or_path", "") else None)
         cache_model = getattr(cache, "model", None)
         if model_id and isinstance(cache_model, str) and cache_model != model_id:
             raise InputError(f"the cache was opened for model {cache_model!r}, not {model_id!r}; "

@@ -38,6 +38,7 @@ from kvtier.connectors.vllm_config import (  # noqa: F401
     layout_of,
     parse_settings,
 )
+from kvtier.connectors.vllm_identity import VLLMIdentity
 from kvtier.connectors.vllm_layout import (
     as_torch,
     block_views,
@@ -49,8 +50,7 @@ from kvtier.connectors.vllm_layout import (
     scatter_layer,
 )
 from kvtier.errors import ConfigError, KVTierError, ProtocolError
-from kvtier.hashing import ALGORITHMS
-from kvtier.keys import namespace_of
+from kvtier.identity import num_blocks_of
 from kvtier.metrics import Metrics
 
 # a child of vLLM's "vllm" logger, so these lines appear in vLLM's own log with its format and level
@@ -65,6 +65,7 @@ class LoadOp:
     start: int
     end: int
     block_ids: list[int]
+    extra_keys: list | None = None  # per block of token_ids (vLLM's extra keys), None for a plain request
 
 
 @dataclass
@@ -74,6 +75,7 @@ class SaveOp:
     token_ids: list[int]
     namespace: str
     block_ids: list[int]
+    extra_keys: list | None = None
 
 
 @dataclass
@@ -113,6 +115,7 @@ class _Track:
     namespace: str
     block_ids: list[int]
     stored_upto: int  # tokens kvtier already holds (or that this connector already asked to store)
+    extra_keys: list | None = None  # per block of the prompt
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -128,9 +131,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.can_store = self.kv_role in ("kv_both", "kv_producer")
         self.layerwise = self.settings.get("kvtier.use_layerwise", False)
         self.layout = layout_of(vllm_config)
-        mc = vllm_config.model_config
-        served = mc.served_model_name if isinstance(mc.served_model_name, str) else (mc.served_model_name or [mc.model])[0]
-        self.model_id = self.settings.get("kvtier.model") or served or mc.model
+        self.identity = VLLMIdentity(vllm_config, self.settings.get("kvtier.model"))
+        self.model_id = self.identity.model_id  # the weights' identity, never the served name
         self.metrics = Metrics()
         self.chunk_size = self.settings.get("kvtier.chunk_size", 256)
         check_chunk_size(self.chunk_size, self.block_size)  # fail fast, before any connection
@@ -162,7 +164,9 @@ class KVTierConnector(KVConnectorBase_V1):
             return self._open_in_process()
         from kvtier.server.client import Client
 
-        expect = {"chunk_size": self.chunk_size} if "kvtier.chunk_size" in self.settings else None
+        expect = self.identity.hash_settings()  # the server hashes exactly like this engine, or refuses
+        if "kvtier.chunk_size" in self.settings:
+            expect["chunk_size"] = self.chunk_size
         try:
             # an unreachable server is not an error: the client answers misses (one warning, the
             # kvtier_client_unavailable_total metric) and picks the server up when it appears
@@ -190,10 +194,7 @@ class KVTierConnector(KVConnectorBase_V1):
         from kvtier.cache import KVCache
 
         data = {"chunk_size": self.chunk_size, "l2_adapters": [{"type": "local_disk", "path": disk}]}
-        # vLLM's own prefix-hash algorithm by default, so kvtier's event hashes line up with vLLM's
-        algo = getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", None)
-        if algo in ALGORITHMS:
-            data["hash_algorithm"] = algo
+        data.update(self.identity.hash_settings())  # vLLM's own hashing: kvtier's block digests are vLLM's
         for key in ("l1_size_gb", "hash_algorithm", "enable_kv_events"):
             if f"kvtier.{key}" in self.settings:
                 data[key] = self.settings[f"kvtier.{key}"]
@@ -213,28 +214,34 @@ class KVTierConnector(KVConnectorBase_V1):
                                "kvtier_client_unavailable_total)", what, type(exc).__name__, exc)
             return default
 
-    @staticmethod
-    def _ns_kw(namespace: str) -> dict:
-        return {"namespace": namespace} if namespace else {}
+    def _ns_kw(self, namespace: str, extra_keys=None, num_tokens: int = 0) -> dict:
+        """Keyword arguments naming the request's identity for a backend call on its first ``num_tokens``."""
+        kw = {"namespace": namespace} if namespace else {}
+        if extra_keys is not None:
+            kw["extra_keys"] = extra_keys[:num_blocks_of(num_tokens, self.block_size)]
+        return kw
+
+    def _op_kw(self, op) -> dict:
+        return self._ns_kw(op.namespace, op.extra_keys, len(op.token_ids))
 
     # ---- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        ns = namespace_of(getattr(request.lora_request, "lora_name", None), getattr(request, "cache_salt", None))
+        ns, extra = self.identity.request_keys(request)
         if not self.can_load or self.backend is None:
-            self._pending[request.request_id] = (num_computed_tokens, 0, 0, ns)
+            self._pending[request.request_id] = (num_computed_tokens, 0, 0, ns, extra)
             return 0, False
         tokens = list(request.prompt_token_ids or [])
-        hit = self._call("lookup", self.backend.lookup, tokens, default=0, **self._ns_kw(ns))
+        hit = self._call("lookup", self.backend.lookup, tokens, default=0, **self._ns_kw(ns, extra, len(tokens)))
         hit = hit // self.chunk_size * self.chunk_size
         end = min(hit, (len(tokens) - 1) // self.block_size * self.block_size)
-        self._pending[request.request_id] = (num_computed_tokens, end, hit, ns)
+        self._pending[request.request_id] = (num_computed_tokens, end, hit, ns, extra)
         if hit:
             logger.info("kvtier: request %s: %d prompt tokens, vLLM has %d, kvtier has %d, loading %d",
                         request.request_id, len(tokens), num_computed_tokens, hit, max(0, end - num_computed_tokens))
         return max(0, end - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        end = self._pending.get(request.request_id, (0, 0, 0, ""))[1]
+        end = self._pending.get(request.request_id, (0, 0, 0, "", None))[1]
         if num_external_tokens > 0:
             self._loads[request.request_id] = (end - num_external_tokens, end)
 
@@ -243,12 +250,12 @@ class KVTierConnector(KVConnectorBase_V1):
         bs = self.block_size
         for new in scheduler_output.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids or [])
-            _, _, hit, ns = self._pending.pop(new.req_id, (0, 0, 0, ""))
-            track = _Track(tokens, ns, list(new.block_ids[0]), hit)
+            _, _, hit, ns, extra = self._pending.pop(new.req_id, (0, 0, 0, "", None))
+            track = _Track(tokens, ns, list(new.block_ids[0]), hit, extra)
             if new.req_id in self._loads:
                 start, end = self._loads.pop(new.req_id)
                 meta.loads.append(LoadOp(new.req_id, tokens[:end], ns, start, end,
-                                         track.block_ids[start // bs:end // bs]))
+                                         track.block_ids[start // bs:end // bs], extra))
             self._tracks[new.req_id] = track
             self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
@@ -272,7 +279,8 @@ class KVTierConnector(KVConnectorBase_V1):
         end = min(computed_end, len(track.token_ids)) // self.chunk_size * self.chunk_size
         if self.can_store and self.backend is not None and end > track.stored_upto:
             nb = -(-end // self.block_size)
-            meta.saves.append(SaveOp(req_id, track.token_ids[:end], track.namespace, track.block_ids[:nb]))
+            meta.saves.append(SaveOp(req_id, track.token_ids[:end], track.namespace, track.block_ids[:nb],
+                                     track.extra_keys))
             track.stored_upto = end
         if track.stored_upto >= last or not self.can_store:
             self._tracks.pop(req_id, None)  # nothing more to store for this prompt
@@ -333,7 +341,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def _load_chunks(self, op: LoadOp) -> int:
         """Scatter straight from the pinned shared-memory slots into vLLM's blocks; the end of what loaded."""
         bs = self.block_size
-        with self.backend.retrieve_chunks(op.token_ids, **self._ns_kw(op.namespace)) as got:
+        with self.backend.retrieve_chunks(op.token_ids, **self._op_kw(op)) as got:
             ok_end = max(op.start, min(got.num_tokens, op.end) // bs * bs)
             for start, view in got.chunks:
                 lo, hi = max(start, op.start), min(start + view.shape[2], ok_end)
@@ -344,8 +352,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def _load_copy(self, op: LoadOp) -> int:
         """Retrieve into a tensor, then scatter (now, or layer by layer with ``use_layerwise``)."""
-        kv, n = self._call("retrieve", self.backend.retrieve, op.token_ids, default=(None, 0),
-                           **self._ns_kw(op.namespace))
+        kv, n = self._call("retrieve", self.backend.retrieve, op.token_ids, default=(None, 0), **self._op_kw(op))
         ok_end = max(op.start, min(n, op.end) // self.block_size * self.block_size)
         if ok_end == op.start:
             return ok_end
@@ -393,7 +400,7 @@ class KVTierConnector(KVConnectorBase_V1):
             if kv is None:
                 self._call("store", self._store_chunks, op)
             else:
-                self._call("store", self.backend.store, op.token_ids, kv, **self._ns_kw(op.namespace))
+                self._call("store", self.backend.store, op.token_ids, kv, **self._op_kw(op))
         if staged:
             logger.debug("kvtier: stored new chunks of %d requests in %.4f s", len(staged), time.perf_counter() - started)
         if staged and self._in_process:
@@ -410,7 +417,7 @@ class KVTierConnector(KVConnectorBase_V1):
         def fill(start: int, dst) -> None:
             gather_chunk(self._blocks, op.block_ids[start // bs:], as_torch(dst, dtype))
 
-        return self.backend.store_chunks(op.token_ids, fill, **self._ns_kw(op.namespace))
+        return self.backend.store_chunks(op.token_ids, fill, **self._op_kw(op))
 
     def _gather(self, op: SaveOp) -> torch.Tensor:
         n = len(op.token_ids)

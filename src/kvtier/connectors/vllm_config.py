@@ -15,11 +15,11 @@ SETTINGS = {
     "kvtier.server_url": str,            # tcp://host:port of `kvtier server`; without it, an in-process cache
     "kvtier.chunk_size": int,            # tokens per chunk; a multiple of vLLM's block size (default: server's, or 256)
     "kvtier.use_layerwise": parse_bool,  # load and save layer by layer inside the forward pass
-    "kvtier.model": str,                 # model id in kvtier keys (default: vLLM's served model name)
+    "kvtier.model": str,                 # model id in kvtier keys (default: the weights' identity; change it with them)
     "kvtier.timeout_s": float,           # server only: longest wait for one reply (also the startup wait)
     "kvtier.l1_size_gb": parse_size,     # in-process cache only: L1 budget
     "kvtier.local_disk": str,            # in-process cache only: folder of the local_disk L2 (required there)
-    "kvtier.hash_algorithm": str,        # in-process cache only
+    "kvtier.hash_algorithm": str,        # in-process cache only (default: vLLM's prefix_caching_hash_algo)
     "kvtier.enable_kv_events": parse_bool,  # in-process cache only: hand kvtier events to vLLM's publisher
 }
 

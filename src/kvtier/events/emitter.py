@@ -1,60 +1,49 @@
 """Turns cache actions (chunks stored in / removed from a tier, tiers cleared) into KV cache events.
 
-A chunk of ``chunk_size`` tokens is announced as ``chunk_size / event_block_size`` engine-sized blocks, hashed
-with ``kvtier.hashing.prefix_hashes`` at block granularity, so with the engine's block size, hash algorithm and
-seed the published hashes equal the engine's own block hashes (reference events-and-hashing.md §2.4).
+Events name blocks: the cache hashes every prompt block by block (``hashing.prefix_hashes`` at the config's
+``block_size``, with the engine's per-block extra keys), so with the engine's block size, hash algorithm and
+seed the published hashes are the engine's own block hashes (reference events-and-hashing.md §2.4) and nothing
+is hashed again here. ``lora_name`` and ``extra_keys`` (vLLM's untagged form, §2.3) come from the blocks'
+extra keys.
+
+Bookkeeping is per medium and per copy: a copy is one full ``ChunkKey`` (model, layout, namespace, hash), and
+the same block hash can be held by several copies (two models, two namespaces, a partial and a full chunk that
+share a block). Each newly held copy publishes its ``BlockStored``; a ``BlockRemoved`` names a block hash only
+once no copy holding it is left in that medium (a count per (medium, block hash)).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter
 
-from kvtier.errors import ConfigError, InputError
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
-from kvtier.hashing import as_token_array, event_id, prefix_hashes
+from kvtier.hashing import event_id
+from kvtier.identity import event_extra_keys, lora_name_of
+from kvtier.keys import parse_name
 
 MEDIUMS = ("GPU", "CPU", "STORAGE")
-_CHAIN_CACHE_SIZE = 65_536  # chunk hash -> last block digest, so a later chunk need not re-hash its prefix
-
-
-def _as_list(tokens) -> list[int]:
-    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
 
 
 class EventEmitter:
     """The interface the cache calls when chunks appear in or leave a tier.
 
     Args:
-        config: a ``KVTierConfig``; uses ``chunk_size``, ``hash_algorithm``, ``hash_seed`` and ``kv_events``
-            (``event_block_size``, ``hash_format``, ``data_parallel_rank``).
+        config: a ``KVTierConfig``; uses ``kv_events.hash_format`` (``"int"``: uint64 ids, ``"bytes"``: digests).
         publisher: an object with ``publish(events: list[Event])`` (``EventPublisher``); None keeps events in
             memory for ``take_events()`` (in-process users such as the vLLM connector).
 
-    Raises:
-        ConfigError: ``event_block_size`` does not divide ``chunk_size``.
-
-    Per medium, a block announced stored is not announced again until it is removed, so one ``BlockRemoved``
-    matches one ``BlockStored``. Thread-safe.
+    Thread-safe: events leave in the order the calls were made.
     """
 
     def __init__(self, config, publisher=None) -> None:
-        ev = config.kv_events
-        self.chunk_size = int(config.chunk_size)
-        self.block_size = int(ev.event_block_size or self.chunk_size)
-        if self.chunk_size % self.block_size:
-            raise ConfigError(f"kv_events.event_block_size ({self.block_size}) must divide chunk_size "
-                              f"({self.chunk_size}); set it to the engine's block size, e.g. 16")
-        self.algorithm, self.seed = config.hash_algorithm, config.hash_seed
-        self.save_unfull_chunk = bool(getattr(config, "save_unfull_chunk", False))
-        self.raw_bytes = ev.hash_format == "bytes"
+        self.raw_bytes = config.kv_events.hash_format == "bytes"
         self.publisher = publisher
         self._lock = threading.Lock()
         self._pending: list[Event] = []
-        # medium -> {chunk prefix hash: tuple of published block ids}
-        self._known: dict[str, dict[bytes, tuple]] = {}
-        self._chain: OrderedDict[bytes, bytes] = OrderedDict()
+        self._known: dict[str, dict[str, tuple]] = {}  # medium -> {chunk name: its blocks' published ids}
+        self._held: dict[str, Counter] = {}  # medium -> {published id: copies holding it}
 
     # ------------------------------------------------------------------ helpers
     def _id(self, digest: bytes):
@@ -68,141 +57,102 @@ class EventEmitter:
         else:
             self._pending.extend(events)
 
-    def _remember_chain(self, chunk_hash: bytes, last_block: bytes) -> None:
-        self._chain[chunk_hash] = last_block
-        if len(self._chain) > _CHAIN_CACHE_SIZE:
-            self._chain.popitem(last=False)
-
-    def _block_digests(self, tokens, arr, off: int, chunk_hashes, lo_chunk: int, end: int,
-                       block_hashes=None) -> tuple[bytes | None, list[bytes]]:
-        """(digest of the block before, digests of every block in tokens ``[lo_chunk*chunk_size, end)``).
-
-        The last block may be partial. Without re-hashing when blocks are chunks; otherwise the chain state of
-        the previous chunk comes from a cache, or (unknown) from hashing the prefix again.
-        """
-        if self.block_size == self.chunk_size:
-            return (chunk_hashes[lo_chunk - 1] if lo_chunk else None), list(chunk_hashes[lo_chunk:])
-        start = lo_chunk * self.chunk_size
-        skip = start // self.block_size
-        if block_hashes is not None and len(block_hashes) >= -(-end // self.block_size):
-            return (block_hashes[skip - 1] if skip else None), list(block_hashes[skip:-(-end // self.block_size)])
-        parent = self._chain.get(chunk_hashes[lo_chunk - 1]) if lo_chunk else None
-        if lo_chunk and parent is None:
-            every = prefix_hashes(as_token_array(tokens[:end]), self.block_size, self.algorithm, self.seed,
-                                  include_partial=True)
-            return every[skip - 1], every[skip:]
-        return parent, prefix_hashes(arr[start - off:end - off], self.block_size, self.algorithm, self.seed,
-                                     include_partial=True, parent=parent)
-
     # ------------------------------------------------------------------ the cache calls these
-    def stored(self, tokens, first_chunk: int, num_chunks: int, medium: str, lora_name: str | None = None,
-               *, chunk_hashes: list[bytes] | None = None, block_hashes: list[bytes] | None = None) -> int:
-        """Chunks ``[first_chunk, first_chunk + num_chunks)`` of ``tokens`` became available in ``medium``.
+    def stored(self, tokens, refs, medium: str) -> int:
+        """Chunks became available in ``medium``.
 
         Args:
-            tokens: the full token prefix up to the end of the stored range (1-D ints); a trailing partial chunk
-                counts as a chunk only with ``save_unfull_chunk``.
+            tokens: the prompt's token ids (1-D numpy int array or list), at least up to the last ref's end.
+            refs: ``cache.ChunkRef``s in chunk order (key, index, token range and the prompt's ``PromptBlocks``).
             medium: ``"CPU"`` (L1), ``"STORAGE"`` (L2) or ``"GPU"``.
-            chunk_hashes: the cache's prefix hashes of ``tokens`` at ``chunk_size`` (at least up to the range's
-                end); passing them avoids re-hashing and re-validating the tokens (the cheap path).
-            block_hashes: optional digests of ``tokens`` at ``event_block_size`` (from block 0 to the range's end,
-                ``include_partial`` for a partial last chunk); when the caller has them, sub-blocks are not re-hashed.
 
         Returns:
-            number of chunks announced (already-announced chunks of that medium are skipped).
-
-        Raises:
-            InputError: bad tokens, or a range beyond the tokens given.
+            number of chunks announced (copies already held in that medium are skipped).
         """
-        if num_chunks <= 0:
-            return 0
-        if not hasattr(tokens, "__len__") or not hasattr(tokens, "__getitem__"):
-            raise InputError("tokens must be a 1-D sequence of token ids (list, numpy array or torch tensor)")
-        n_tok = len(tokens)
-        end_chunk = first_chunk + num_chunks
-        n_full = n_tok // self.chunk_size
-        n_avail = n_full + (1 if self.save_unfull_chunk and n_tok % self.chunk_size else 0)
-        if first_chunk < 0 or end_chunk > n_avail:
-            raise InputError(f"stored chunks [{first_chunk}, {end_chunk}) but tokens hold {n_avail} chunk(s) of "
-                             f"{self.chunk_size}; pass the token prefix up to the end of the stored range")
-        trusted = chunk_hashes is not None and len(chunk_hashes) >= end_chunk
-        if not trusted:
-            chunk_hashes = prefix_hashes(as_token_array(tokens[: end_chunk * self.chunk_size]), self.chunk_size,
-                                         self.algorithm, self.seed, include_partial=end_chunk > n_full)
-        end_tok = min(end_chunk * self.chunk_size, n_tok)
-        off = first_chunk * self.chunk_size
-        # only the stored range is touched; tokens the cache already hashed (chunk_hashes) are not re-validated
-        arr = tokens[off:end_tok] if trusted else as_token_array(tokens[off:end_tok])
         with self._lock:
             known = self._known.setdefault(medium, {})
-            new = [i for i in range(first_chunk, end_chunk) if chunk_hashes[i] not in known]
-            if not new:
-                return 0
-            parent, blocks = self._block_digests(tokens, arr, off, chunk_hashes[:end_chunk], new[0], end_tok,
-                                                 block_hashes)
-            per_chunk = self.chunk_size // self.block_size
-            base = new[0]
+            held = self._held.setdefault(medium, Counter())
             events: list[Event] = []
-            run: list[int] = []
-            for i in new:  # one BlockStored per contiguous run of new chunks
-                if run and i != run[-1] + 1:
-                    events += self._stored_events(arr, off, run, parent, blocks, base, per_chunk, medium, lora_name)
+            run: list = []
+            announced = 0
+            for ref in refs:
+                name = ref.key.name()
+                if name in known:
+                    continue
+                announced += 1
+                ids = tuple(self._id(d) for d in ref.blocks.digests[_first_block(ref):_end_block(ref)])
+                known[name] = ids
+                held.update(ids)
+                if run and (ref.index != run[-1].index + 1 or ref.blocks is not run[-1].blocks):
+                    events += self._stored_events(tokens, run, medium)
                     run = []
-                run.append(i)
-                digests = blocks[(i - base) * per_chunk:(i - base + 1) * per_chunk]
-                known[chunk_hashes[i]] = tuple(self._id(d) for d in digests)
-                if self.block_size != self.chunk_size:  # else the chunk hash is the chain state
-                    self._remember_chain(chunk_hashes[i], digests[-1])
-            events += self._stored_events(arr, off, run, parent, blocks, base, per_chunk, medium, lora_name)
+                run.append(ref)
+            if run:
+                events += self._stored_events(tokens, run, medium)
             self._emit(events)  # under the lock: a later removal is never published before this store
-        return len(new)
+        return announced
 
-    def _stored_events(self, arr, off, run, parent, blocks, base, per_chunk, medium,
-                       lora_name) -> list[BlockStored]:
-        b_lo = (run[0] - base) * per_chunk
-        b_hi = min((run[-1] - base + 1) * per_chunk, len(blocks))
-        lo_tok = run[0] * self.chunk_size - off  # positions within arr (the stored range)
-        hi_tok = min((run[-1] + 1) * self.chunk_size - off, len(arr))
-        prev = blocks[b_lo - 1] if b_lo > 0 else parent
-        parent = None if prev is None else self._id(prev)
-        ids = [self._id(d) for d in blocks[b_lo:b_hi]]
-        full_tok = (hi_tok - lo_tok) // self.block_size * self.block_size
+    def _stored_events(self, tokens, run: list, medium: str) -> list[BlockStored]:
+        """One BlockStored for the run's full blocks, one more for a partial last block (vLLM 0.33 style)."""
+        blocks = run[0].blocks
+        bs = blocks.block_size
+        lo, hi = _first_block(run[0]), _end_block(run[-1])
+        lo_tok, hi_tok = run[0].start, run[-1].end
+        digests, extra = blocks.digests, blocks.extra_keys
+        ids = [self._id(d) for d in digests[lo:hi]]
+        parent = self._id(digests[lo - 1]) if lo else None
+        per_block = [event_extra_keys(e) for e in extra[lo:hi]] if extra is not None else [None] * len(ids)
+        lora_name = lora_name_of(extra[lo]) if extra is not None else None
+        token_ids = tokens[lo_tok:hi_tok]
+        token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+        n_full = (hi_tok - lo_tok) // bs
         out = []
-        n_full = full_tok // self.block_size
         if n_full:
-            out.append(BlockStored(ids[:n_full], parent, _as_list(arr[lo_tok:lo_tok + full_tok]), self.block_size,
-                                   None, medium, lora_name))
-        if n_full < len(ids):  # a partial last block (save_unfull_chunk): its own event, vLLM 0.33 style
-            out.append(BlockStored(ids[n_full:], ids[n_full - 1] if n_full else parent,
-                                   _as_list(arr[lo_tok + full_tok:hi_tok]), hi_tok - lo_tok - full_tok,
-                                   None, medium, lora_name))
+            out.append(BlockStored(ids[:n_full], parent, token_ids[:n_full * bs], bs, None, medium, lora_name,
+                                   extra_keys=per_block[:n_full]))
+        if n_full < len(ids):
+            out.append(BlockStored(ids[n_full:], ids[n_full - 1] if n_full else parent, token_ids[n_full * bs:],
+                                   len(token_ids) - n_full * bs, None, medium, lora_name, extra_keys=per_block[n_full:]))
         return out
 
-    def removed(self, chunk_prefix_hashes: list[bytes], medium: str) -> int:
-        """The last copy in ``medium`` of these chunks is gone (evicted, deleted, corrupt record dropped).
+    def removed(self, names: list[str], medium: str) -> int:
+        """The copies ``names`` (``ChunkKey.name()``) left ``medium`` (evicted, deleted, corrupt record dropped).
 
-        Emits one BlockRemoved with the blocks announced for them; a chunk never announced (e.g. found in L2
-        after a restart) is published as its chunk hash. Returns the number of block hashes published.
+        Emits one BlockRemoved with the block hashes no remaining copy in ``medium`` holds. A chunk never
+        announced (found in L2 after a restart) is published as its own hash (its last block's), unless a held
+        copy has that hash. Returns the number of block hashes published.
         """
-        ids: list = []
         with self._lock:
             known = self._known.get(medium, {})
-            for h in chunk_prefix_hashes:
-                got = known.pop(bytes(h), None)
-                ids.extend(got if got is not None else (self._id(bytes(h)),))
-            if ids:
-                self._emit([BlockRemoved(ids, medium)])
-        return len(ids)
+            held = self._held.setdefault(medium, Counter())
+            gone: list = []
+            for name in names:
+                ids = known.pop(name, None)
+                if ids is None:
+                    unknown = self._id(parse_name(name)[1])
+                    if not held[unknown]:
+                        del held[unknown]
+                        gone.append(unknown)
+                    continue
+                for i in ids:
+                    held[i] -= 1
+                    if held[i] <= 0:
+                        del held[i]
+                        gone.append(i)
+            if gone:
+                self._emit([BlockRemoved(list(dict.fromkeys(gone)), medium)])
+        return len(set(gone))
 
     def cleared(self, medium: str | None = None) -> None:
         """Everything is gone (``medium=None``: AllBlocksCleared) or one tier is (BlockRemoved for its blocks)."""
         with self._lock:
             if medium is None:
                 self._known.clear()
+                self._held.clear()
                 events: list[Event] = [AllBlocksCleared()]
             else:
-                gone = self._known.pop(medium, {})
-                ids = [i for blocks in gone.values() for i in blocks]
+                self._known.pop(medium, None)
+                ids = list(self._held.pop(medium, {}))
                 events = [BlockRemoved(ids, medium)] if ids else []
             self._emit(events)
 
@@ -218,6 +168,14 @@ class EventEmitter:
         return EventBatch(time.time(), events, data_parallel_rank) if events else None
 
     def num_known_chunks(self, medium: str) -> int:
-        """Chunks currently announced as stored in ``medium``."""
+        """Copies (full chunk keys) currently announced as stored in ``medium``."""
         with self._lock:
             return len(self._known.get(medium, {}))
+
+
+def _first_block(ref) -> int:
+    return ref.start // ref.blocks.block_size
+
+
+def _end_block(ref) -> int:
+    return -(-ref.end // ref.blocks.block_size)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import CorruptRecordError
-from kvtier.keys import ChunkKey, parse_name
+from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
@@ -37,11 +37,10 @@ class WriteItem:
 
 @dataclass(slots=True)
 class _WriteBatch:
-    tokens: object  # full token prefix (numpy int64) up to the end of the batch, for events
-    first_chunk: int
+    tokens: object  # the prompt's token ids (numpy int64), for events
     items: list[WriteItem]
     release: Callable[[ChunkKey], None]
-    chunk_hashes: list[bytes] | None  # prefix hashes from chunk 0 to the batch's end, for events
+    event_refs: list | None  # the items' ChunkRefs (cache.ChunkRef), for events
 
 
 class L2Tier:
@@ -154,9 +153,12 @@ class L2Tier:
         return payload
 
     # ---- writes ------------------------------------------------------------------------
-    def write_async(self, tokens, first_chunk: int, items: list[WriteItem],
-                    release: Callable[[ChunkKey], None], chunk_hashes: list[bytes] | None = None) -> int:
-        """Queue ``items`` (consecutive chunks from ``first_chunk``) for write-through to every adapter.
+    def write_async(self, tokens, items: list[WriteItem], release: Callable[[ChunkKey], None],
+                    event_refs: list | None = None) -> int:
+        """Queue ``items`` (consecutive chunks of the prompt ``tokens``) for write-through to every adapter.
+
+        ``event_refs``: the items' ``cache.ChunkRef``s, one per item, so the written chunks are announced
+        (BlockStored, medium ``STORAGE``).
 
         Items that do not fit in the queue are dropped (``kvtier_l2_write_dropped_total``) and
         released at once. Returns how many were queued. Never blocks.
@@ -169,7 +171,7 @@ class L2Tier:
             room = 0 if self._closed else max(0, self.queue_chunks - self._pending)
             queued, dropped = items[:room], items[room:]
             if queued:
-                self._queue.append(_WriteBatch(tokens, first_chunk, queued, release, chunk_hashes))
+                self._queue.append(_WriteBatch(tokens, queued, release, event_refs))
                 self._pending += len(queued)
                 self._cond.notify_all()
         if dropped:
@@ -209,16 +211,12 @@ class L2Tier:
         failed = stored.count(False)
         if failed:
             self.metrics.inc("kvtier_l2_write_dropped_total", failed)
-        if self.events is not None:
+        if self.events is not None and batch.event_refs:
             run = 0  # announce the leading run of written chunks; a gap breaks the prefix chain
             while run < len(stored) and stored[run]:
                 run += 1
             if run:
-                # batch.tokens ends where the last item ends; cut it where the run ends
-                start = len(batch.tokens) - sum(len(i.token_ids) for i in batch.items)
-                end = start + sum(len(i.token_ids) for i in batch.items[:run])
-                self.events.stored(batch.tokens[:end], batch.first_chunk, run, "STORAGE",
-                                   chunk_hashes=batch.chunk_hashes)
+                self.events.stored(batch.tokens, batch.event_refs[:run], "STORAGE")
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write is done. Returns False on timeout."""
@@ -244,7 +242,7 @@ class L2Tier:
         for adapter in self.adapters:
             found = self._call(adapter, "contains", adapter.contains, names, default=[False] * len(names))
             still = [a or bool(b) for a, b in zip(still, found)]
-        gone = [parse_name(n)[1] for n, s in zip(names, still) if not s]
+        gone = [n for n, s in zip(names, still) if not s]
         if gone:
             self.events.removed(gone, "STORAGE")
 

@@ -42,8 +42,13 @@ def _adapter_spec(value: str) -> dict:
 @click.option("--eviction-policy", type=click.Choice(EVICTION_POLICIES, case_sensitive=False), default=None,
               help="L1 eviction policy. Required.")
 @click.option("--chunk-size", type=int, default=None, help="Tokens per chunk [default: 256].")
+@click.option("--block-size", type=int, default=None,
+              help="The engines' block size: hashes chain per block of this many tokens, and events name these "
+                   "blocks; must divide the chunk size [default: the chunk size].")
 @click.option("--hash-algorithm", type=click.Choice(ALGORITHMS), default=None,
-              help="Prefix-hash algorithm (vLLM names) [default: sha256_cbor].")
+              help="Prefix-hash algorithm (vLLM's --prefix-caching-hash-algo names) [default: sha256].")
+@click.option("--hash-seed", default=None,
+              help="Root-hash seed: vLLM's PYTHONHASHSEED when it has one [default: vllm-none-hash].")
 @click.option("--l2-adapter", "l2_adapters", multiple=True,
               help="""L2 adapter JSON, repeatable, in cascade order, e.g. '{"type": "local_disk", "path": "/data/kvtier"}'.""")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
@@ -60,22 +65,24 @@ def _adapter_spec(value: str) -> dict:
 @click.option("--kv-events-topic", default=None, help="Event topic [default: kv-events].")
 @click.option("--kv-events-encoding", type=click.Choice(["vllm", "vllm-legacy", "sglang"]), default=None,
               help="Event wire encoding [default: vllm].")
-@click.option("--event-block-size", type=int, default=None,
-              help="Publish hashes per block of this many tokens (the engine's block size) [default: chunk size].")
+@click.option("--event-block-size", type=int, default=None, hidden=True)  # removed: says to use --block-size
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
               help="Server log verbosity [default: INFO].")
-def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chunk_size, hash_algorithm,
-           l2_adapters, config_path, admin_token, lease_seconds, shared_memory, enable_kv_events,
+def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chunk_size, block_size, hash_algorithm,
+           hash_seed, l2_adapters, config_path, admin_token, lease_seconds, shared_memory, enable_kv_events,
            kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_encoding, event_block_size,
            log_level) -> None:
     """Run the kvtier cache server: ZMQ requests on --port, admin HTTP on --admin-port."""
+    if event_block_size is not None:
+        raise ConfigError("--event-block-size was removed: use --block-size (the engine's block size); hashes "
+                          "chain per block and events name those blocks")
     srv = {"host": host, "port": port, "admin_host": admin_host, "admin_port": admin_port,
            "admin_token": admin_token, "lease_seconds": lease_seconds, "shared_memory": shared_memory}
     events = {"endpoint": kv_events_endpoint, "replay_endpoint": kv_events_replay_endpoint,
-              "topic": kv_events_topic, "encoding": kv_events_encoding, "event_block_size": event_block_size}
+              "topic": kv_events_topic, "encoding": kv_events_encoding}
     overrides = {"l1_size_gb": l1_size_gb, "eviction_policy": eviction_policy, "chunk_size": chunk_size,
-                 "hash_algorithm": hash_algorithm, "server": srv, "enable_kv_events": enable_kv_events,
-                 "kv_events": events}
+                 "block_size": block_size, "hash_algorithm": hash_algorithm, "hash_seed": hash_seed, "server": srv,
+                 "enable_kv_events": enable_kv_events, "kv_events": events}
     if l2_adapters:
         overrides["l2_adapters"] = [_adapter_spec(v) for v in l2_adapters]
     config = load_config(config_path, overrides)

@@ -6,7 +6,8 @@ Resilience rules (the engine must never hang or crash because of the cache):
   * A call waits at most ``timeout_s``; on timeout the socket is reset and calls are fast misses for a
     back-off period. A server that restarts (new session, maybe a new shared-memory arena) is picked
     up by itself: the next call gets ``no_session``, the client says ``Hello`` again and retries once.
-  * Only caller mistakes raise (InputError: bad tokens, KV of the wrong shape or dtype), as in KVCache;
+  * Only caller mistakes raise (InputError: bad tokens, KV of the wrong shape or dtype), as in KVCache
+    (``extra_keys`` are checked by the server: bad ones are answered ``bad_request``, logged, and a miss);
     a handshake refusal (version, layout or config mismatch) raises ProtocolError from the constructor.
 """
 
@@ -41,13 +42,13 @@ class Client:
 
     Args:
         url: the server's ZMQ endpoint, e.g. ``"tcp://127.0.0.1:5555"``.
-        model: model id (part of every key).
+        model: the weights' identity (``identity.model_identity``), part of every key.
         layout: the KV layout (``KVLayout`` or its ``to_dict()``).
         namespace: default namespace (LoRA / cache_salt, see ``keys.namespace_of``).
         timeout_s: longest wait for one reply.
         shared_memory: use the server's shared L1 when it is on this host (else bytes travel as frames).
-        expect: server settings this client relies on (``chunk_size``, ``hash_algorithm``, ``hash_seed``,
-            ``save_unfull_chunk``); a difference refuses the session.
+        expect: server settings this client relies on (``chunk_size``, ``block_size``, ``hash_algorithm``,
+            ``hash_seed``, ``save_unfull_chunk``); a difference refuses the session.
         retry_after_s: after a timeout, calls are fast misses for this long before the next try.
         metrics: where ``kvtier_client_unavailable_total`` is counted (a new ``Metrics`` if None).
         prefault: map the whole shared L1 when attaching it (``dataplane.prefault``): a one-time cost at
@@ -83,7 +84,13 @@ class Client:
         self._open_socket()
         with self._lock:
             self._wait_linked(min(timeout_s, 2.0))  # an engine may start before its server
-            if self._linked and not self._handshake(raise_refusal=True):
+            try:
+                answered = not self._linked or self._handshake(raise_refusal=True)
+            except ProtocolError:  # refused: release the sockets now (a context collected later with open
+                self._close_socket()  # sockets would block its finalizer forever)
+                self._ctx.term()
+                raise
+            if not answered:
                 self._mark_down("no answer to the handshake")
             elif not self._linked:
                 self._mark_down(f"cannot reach {url}", backoff=False)
@@ -218,14 +225,16 @@ class Client:
         return None, []
 
     # ---- the KVCache interface -----------------------------------------------------------------
-    def lookup(self, tokens, namespace: str | None = None) -> int:
-        """Number of leading tokens of ``tokens`` whose KV the server holds (0 when it is unavailable)."""
+    def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
+        """Number of leading tokens of ``tokens`` whose KV the server holds (0 when it is unavailable).
+        ``extra_keys``: per-block extra keys, as for ``KVCache``."""
         arr = as_token_array(tokens)
         with self._lock:
-            reply, _ = self._call(P.Lookup(id=next(self._ids), tokens=P.pack_tokens(arr), namespace=namespace))
+            reply, _ = self._call(P.Lookup(id=next(self._ids), tokens=P.pack_tokens(arr), namespace=namespace,
+                                           extra_keys=extra_keys))
         return reply.num_tokens if isinstance(reply, P.LookupReply) else 0
 
-    def store(self, tokens, kv, namespace: str | None = None) -> int:
+    def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
         """Store the KV of ``tokens`` (``(num_layers, 2, T, num_kv_heads, head_dim)``, layout dtype).
 
         Returns the number of chunks newly stored (0 when the server is unavailable).
@@ -238,9 +247,9 @@ class Client:
         def fill(start: int, dst) -> None:
             dst.view(src.dtype)[...] = src[:, :, start:start + dst.shape[2]]
 
-        return self.store_chunks(arr, fill, namespace)
+        return self.store_chunks(arr, fill, namespace, extra_keys=extra_keys)
 
-    def store_chunks(self, tokens, fill, namespace: str | None = None) -> int:
+    def store_chunks(self, tokens, fill, namespace: str | None = None, *, extra_keys=None) -> int:
         """Store ``tokens``' chunks that the server lacks, letting ``fill`` write each one in place.
 
         ``fill(start, dst)`` is called once per missing chunk, in order: ``start`` is the chunk's first token,
@@ -255,7 +264,7 @@ class Client:
         with self._lock:
             shm = self._arena is not None
             reply, _ = self._call(P.StoreBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
-                                               namespace=namespace))
+                                               namespace=namespace, extra_keys=extra_keys))
             if not isinstance(reply, P.StoreSlots) or not reply.slots:
                 return 0
             got_at = time.monotonic()
@@ -285,11 +294,11 @@ class Client:
             fill(slot.chunk_index * chunk_size, dst)
         return True, frames
 
-    def retrieve(self, tokens, namespace: str | None = None):
+    def retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None):
         """KV of the leading available tokens: ``(kv, num_tokens)``, kv a torch tensor
         ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``; ``num_tokens`` is 0 on a miss or when the
         server is unavailable. Bytes are never wrong: a copy made after the lease ended is discarded."""
-        with self.retrieve_chunks(tokens, namespace) as got:
+        with self.retrieve_chunks(tokens, namespace, extra_keys=extra_keys) as got:
             out, dst = D.empty_kv(self.layout, got.num_tokens)
             for start, view in got.chunks:
                 dst[:, :, start:start + view.shape[2]] = view.view(dst.dtype)
@@ -298,7 +307,7 @@ class Client:
         return D.empty_kv(self.layout, 0)[0], 0
 
     @contextlib.contextmanager
-    def retrieve_chunks(self, tokens, namespace: str | None = None):
+    def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None):
         """Zero-copy access to the KV of the leading available tokens, chunk by chunk.
 
         Yields a ``Retrieved``: ``num_tokens`` (0 on a miss or when the server is unavailable) and ``chunks``,
@@ -314,7 +323,7 @@ class Client:
         with self._lock:
             shm = self._arena is not None
             reply, payload = self._call(P.RetrieveBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
-                                                        namespace=namespace))
+                                                        namespace=namespace, extra_keys=extra_keys))
             ticket = 0
             if isinstance(reply, P.RetrieveSlots) and reply.slots and self._arena is not None:
                 buffers, ticket = [self._arena.view(s.offset, s.nbytes) for s in reply.slots], reply.ticket

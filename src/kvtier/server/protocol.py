@@ -8,8 +8,12 @@ type, ``Ok``, or ``Error(code, message)``. A header that cannot be decoded at al
 ``Error(id=-1, code="malformed")``.
 
 Exchanges:
-  * ``Hello`` -> ``HelloReply`` (chunk size, hash algorithm and seed, data plane, lease) or ``Error``.
+  * ``Hello`` -> ``HelloReply`` (chunk and block size, hash algorithm and seed, data plane, lease) or ``Error``.
   * ``Lookup`` -> ``LookupReply(num_tokens)``.
+  ``Lookup``, ``StoreBegin`` and ``RetrieveBegin`` carry the prompt's ``tokens`` and, optionally, its per-block
+  ``extra_keys`` (one entry per block of ``block_size`` tokens, a trailing partial block included: null or an
+  array of keys; a key is a str, bin, int, null or an array of those; see ``kvtier.identity.check_extra_keys``).
+  The server checks them strictly (``bad_request`` names what is wrong) and hashes them as tuples.
   * ``StoreBegin`` -> ``StoreSlots`` (the chunks to write; ``offset`` into the shared L1 arena, or -1
     when the bytes travel as frames) -> ``StoreCommit`` (+ one frame per slot in frames mode) -> ``StoreDone``.
   * ``RetrieveBegin(shm=True)`` -> ``RetrieveSlots`` (pinned arena slots) -> client copies ->
@@ -48,7 +52,7 @@ class Hello(_Msg, tag="hello"):
     """Open a session: which cache (model, KV layout, namespace) this client reads and writes.
 
     ``layout``: ``KVLayout.to_dict()``; ``layout_id``: what the client computes for it (checked).
-    ``expect``: server settings the client relies on (chunk_size, hash_algorithm, hash_seed,
+    ``expect``: server settings the client relies on (chunk_size, block_size, hash_algorithm, hash_seed,
     save_unfull_chunk); any difference refuses the session. ``host_id``: hostname and boot id, so the
     server offers shared memory only to a client on the same machine.
     """
@@ -64,15 +68,21 @@ class Hello(_Msg, tag="hello"):
     expect: dict[str, Any] = {}
 
 
+# per-block extra keys (vLLM's tagged form); validated by the server, not by the decoder (see check_extra_keys)
+ExtraKeys = Annotated[list[Any], msgspec.Meta(max_length=MAX_TOKENS)]
+
+
 class Lookup(_Msg, tag="lookup"):
     tokens: TokenIds
     namespace: str | None = None
+    extra_keys: ExtraKeys | None = None
 
 
 class StoreBegin(_Msg, tag="store_begin"):
     tokens: TokenIds
     shm: bool = True
     namespace: str | None = None
+    extra_keys: ExtraKeys | None = None
 
 
 class StoreCommit(_Msg, tag="store_commit"):
@@ -86,6 +96,7 @@ class RetrieveBegin(_Msg, tag="retrieve_begin"):
     tokens: TokenIds
     shm: bool = True
     namespace: str | None = None
+    extra_keys: ExtraKeys | None = None
 
 
 class RetrieveEnd(_Msg, tag="retrieve_end"):
@@ -139,6 +150,7 @@ class HelloReply(_Msg, tag="hello_reply"):
     max_message_bytes: int
     shm_name: str | None = None
     shm_capacity_bytes: int = 0
+    block_size: int = 0  # tokens per hashed block (the engine's block size); 0 from servers before it existed
 
 
 class LookupReply(_Msg, tag="lookup_reply"):

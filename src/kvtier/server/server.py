@@ -218,7 +218,8 @@ class KVTierServer:
         return None, []
 
     def _on_Lookup(self, identity, session, msg, payload):
-        return P.LookupReply(id=msg.id, num_tokens=session.cache.lookup(P.unpack_tokens(msg.tokens), msg.namespace)), []
+        num_tokens = session.cache.lookup(P.unpack_tokens(msg.tokens), msg.namespace, extra_keys=msg.extra_keys)
+        return P.LookupReply(id=msg.id, num_tokens=num_tokens), []
 
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
         tid = self._next_ticket
@@ -239,7 +240,7 @@ class KVTierServer:
     def _on_StoreBegin(self, identity, session, msg, payload):
         started = time.monotonic()
         shm = msg.shm and session.shm
-        ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), msg.namespace)
+        ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), msg.namespace, extra_keys=msg.extra_keys)
         if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store
             keep = self._frame_budget(ticket.slots)
             for slot in ticket.slots[keep:]:
@@ -289,7 +290,7 @@ class KVTierServer:
     def _on_RetrieveBegin(self, identity, session, msg, payload):
         started = time.monotonic()
         cache = session.cache
-        ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), msg.namespace)
+        ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), msg.namespace, extra_keys=msg.extra_keys)
         shm = msg.shm and session.shm
         if not shm:
             keep = self._frame_budget(ticket.slots)

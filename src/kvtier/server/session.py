@@ -45,8 +45,14 @@ class HandshakeRefused(KVTierError):
 
 def handshake_values(config: KVTierConfig) -> dict:
     """The settings a client must agree with (sent in HelloReply, checked against ``Hello.expect``)."""
-    return {"chunk_size": config.chunk_size, "hash_algorithm": config.hash_algorithm, "hash_seed": config.hash_seed,
+    return {"chunk_size": config.chunk_size, "block_size": config.effective_block_size,
+            "hash_algorithm": config.hash_algorithm, "hash_seed": config.hash_seed,
             "save_unfull_chunk": config.save_unfull_chunk}
+
+
+# setting -> how the server is told (flag, or config key / variable where there is no flag)
+_HOW = {"chunk_size": "--chunk-size", "block_size": "--block-size", "hash_algorithm": "--hash-algorithm",
+        "hash_seed": "--hash-seed", "save_unfull_chunk": "save_unfull_chunk in --config (or KVTIER_SAVE_UNFULL_CHUNK)"}
 
 
 def check_hello(msg: P.Hello, config: KVTierConfig, l1_capacity_bytes: int) -> KVLayout:
@@ -72,8 +78,8 @@ def check_hello(msg: P.Hello, config: KVTierConfig, l1_capacity_bytes: int) -> K
     unknown = sorted(set(msg.expect) - set(mine))
     if unknown:
         raise HandshakeRefused("bad_request", f"cannot check unknown settings {unknown}; known: {', '.join(mine)}")
-    diffs = [f"{key} differs: client expects {want!r}, server uses {mine[key]!r}"
-             for key, want in msg.expect.items() if want != mine[key]]
+    diffs = [f"{key} differs: client expects {want!r}, server uses {mine[key]!r} (start the server with "
+             f"{_HOW[key]} {want})" for key, want in msg.expect.items() if want != mine[key]]
     if diffs:
         raise HandshakeRefused("config_mismatch", "; ".join(diffs))
     return layout
