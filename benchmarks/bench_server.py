@@ -38,9 +38,9 @@ import psutil
 import torch
 
 from kvtier.cache import KVCache
+from kvtier.client import Client
 from kvtier.config import build_config
 from kvtier.layout import KVLayout
-from kvtier.server.client import Client
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M, fp32
 CHUNK = 256
@@ -217,7 +217,7 @@ def expected_chunk(doc: int, index: int) -> np.ndarray:
 def worker(url: str, seed: int, duration_s: float, num_docs: int, queue, barrier) -> None:
     rng = np.random.default_rng(seed)
     stats = {"lookup": 0, "store": 0, "retrieve": 0, "chunks_verified": 0, "bad_chunks": 0, "errors": 0}
-    client = Client(url, model=MODEL, layout=LAYOUT, timeout_s=30)
+    client = Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=30)
     cache_chunks: dict[tuple[int, int], torch.Tensor] = {}
     expected_chunk(0, 0)
     barrier.wait()  # start together, after the imports

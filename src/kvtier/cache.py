@@ -1,12 +1,14 @@
 """KVCache: lookup / store / retrieve / clear over L1 and the L2 cascade.
 
-One storage path: ``store`` and ``retrieve`` are built from the chunk-level primitives
-(``begin_store``/``commit_store``, ``begin_retrieve``/``end_retrieve``) that the server also uses
-to let clients copy through shared memory.
+``KVCache`` is the in-process ``KVBackend`` (``kvtier.backend``). One storage path: ``store_chunks`` and
+``retrieve_chunks`` (zero-copy views over L1 slots) are built from the chunk-level primitives
+(``begin_store``/``commit_store``, ``begin_retrieve``/``end_retrieve``) that the server also uses to let
+clients copy through shared memory; ``store`` and ``retrieve`` (whole tensors) wrap them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from kvtier.backend import Fill, Retrieved
 from kvtier.config import KVTierConfig
 from kvtier.errors import InputError, KVTierError
 from kvtier.hashing import as_token_array, prefix_hashes
@@ -25,6 +28,7 @@ from kvtier.l2 import create_adapter
 from kvtier.l2.tier import L2Tier, WriteItem
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
+from kvtier.tensors import as_numpy, chunk_view, copy_from, join_chunks
 
 
 @dataclass(slots=True)
@@ -122,9 +126,10 @@ class Tiers:
             self.l2.clear()
         self.refresh_gauges()
 
-    def close(self, timeout_s: float = 10.0) -> bool:
-        """Finish queued L2 writes (bounded), close adapters, the publisher and L1's memory."""
-        done = self.l2.close(timeout_s)
+    def close(self, timeout_seconds: float = 10.0) -> bool:
+        """Finish queued L2 writes (at most ``timeout_seconds``), close adapters, the publisher and L1's memory.
+        Returns False when the writes did not finish in time."""
+        done = self.l2.close(timeout_seconds)
         if self.events is not None and self.events.publisher is not None:
             self.events.publisher.close()
         self.l1.close()
@@ -195,6 +200,11 @@ class KVCache:
                 self._memo.popitem(last=False)
         return arr, refs
 
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk (``config.chunk_size``)."""
+        return self.config.chunk_size
+
     # ---- lookup ------------------------------------------------------------------------
     def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
         """Number of leading tokens whose KV is available (L1, then L2). Read-only: nothing is promoted."""
@@ -254,8 +264,29 @@ class KVCache:
         self.tiers.refresh_gauges()
         return len(ticket.slots)
 
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None) -> int:
+        """``KVBackend.store_chunks`` in process: ``dst`` is the reserved L1 slot itself (``begin_store``), so
+        the KV is copied once, by ``fill``. The chunks are published by ``commit_store`` (L2 writes queued,
+        events emitted) only after every ``fill`` returned; chunks that got no L1 space are not asked for.
+
+        Returns the number of chunks newly stored. Raises InputError for bad tokens; whatever ``fill`` raises
+        frees the reserved slots (nothing is stored) and is raised.
+        """
+        started = time.perf_counter()
+        ticket = self.begin_store(tokens, namespace, extra_keys=extra_keys)
+        dtype = self.layout.numpy_dtype()
+        try:
+            for slot in ticket.slots:
+                fill(slot.ref.start, chunk_view(slot.view, self.layout, slot.ref.end - slot.ref.start, dtype))
+        except BaseException:
+            self.commit_store(ticket, ok=False)
+            raise
+        stored = self.commit_store(ticket)
+        self.metrics.observe("kvtier_store_seconds", time.perf_counter() - started)
+        return stored
+
     def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
-        """Store the KV of ``tokens``; only chunks not yet in L1 are written.
+        """Store the KV of ``tokens`` through ``store_chunks``: only chunks not yet in L1 are written.
 
         Args:
             tokens: 1-D token ids, length T.
@@ -267,21 +298,9 @@ class KVCache:
         Raises:
             InputError: bad tokens, or ``kv`` not of the layout's shape and dtype.
         """
-        started = time.perf_counter()
         arr = as_token_array(tokens)
         self.layout.validate_kv(kv, len(arr))
-        src = as_numpy(kv)
-        ticket = self.begin_store(arr, namespace, extra_keys=extra_keys)
-        try:
-            for slot in ticket.slots:
-                dst = np.frombuffer(slot.view, dtype=src.dtype).reshape(self.layout.chunk_shape(slot.ref.end - slot.ref.start))
-                np.copyto(dst, src[:, :, slot.ref.start:slot.ref.end])
-        except BaseException:
-            self.commit_store(ticket, ok=False)
-            raise
-        stored = self.commit_store(ticket)
-        self.metrics.observe("kvtier_store_seconds", time.perf_counter() - started)
-        return stored
+        return self.store_chunks(arr, copy_from(as_numpy(kv)), namespace, extra_keys=extra_keys)
 
     # ---- retrieve ----------------------------------------------------------------------
     def begin_retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None) -> RetrieveTicket:
@@ -335,37 +354,49 @@ class KVCache:
             self.l1.release(slot.ref.key)
         ticket.slots.clear()
 
+    @contextlib.contextmanager
+    def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None):
+        """``KVBackend.retrieve_chunks`` in process: the views are the L1 slots themselves, pinned by
+        ``begin_retrieve`` (L2 hits promoted into L1 first) and unpinned when the ``with`` block ends. Pins
+        never expire here, so ``ok`` is True whenever ``num_tokens`` > 0. Raises InputError for bad tokens."""
+        started = time.perf_counter()
+        ticket = self.begin_retrieve(tokens, namespace, extra_keys=extra_keys)
+        got = Retrieved(ticket.num_tokens, ok=ticket.num_tokens > 0)
+        try:
+            dtype = self.layout.numpy_dtype()
+            for slot in ticket.slots:
+                view = chunk_view(slot.view, self.layout, slot.ref.end - slot.ref.start, dtype)
+                view.flags.writeable = False  # the slot is the cache's copy: a reader must never write it
+                got.chunks.append((slot.ref.start, view))
+            yield got
+        finally:
+            got.chunks = []  # the views die with the pins
+            self.end_retrieve(ticket)
+            self.metrics.observe("kvtier_retrieve_seconds", time.perf_counter() - started)
+
     def retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None):
-        """KV of the leading available tokens of ``tokens``.
+        """KV of the leading available tokens of ``tokens``, through ``retrieve_chunks``.
 
         Returns:
             (kv, num_tokens): kv a torch tensor ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``
             in the layout dtype; ``num_tokens <= lookup(tokens)``. Bytes are never wrong: L2 records are
             verified before use.
+
+        Raises:
+            InputError: bad tokens. KVTierError: torch is not installed.
         """
-        torch = require_torch()
-        started = time.perf_counter()
-        ticket = self.begin_retrieve(tokens, namespace, extra_keys=extra_keys)
-        try:
-            out = torch.empty(self.layout.chunk_shape(ticket.num_tokens), dtype=getattr(torch, self.layout.dtype))
-            dst = as_numpy(out)
-            for slot in ticket.slots:
-                src = np.frombuffer(slot.view, dtype=dst.dtype).reshape(
-                    self.layout.chunk_shape(slot.ref.end - slot.ref.start))
-                np.copyto(dst[:, :, slot.ref.start:slot.ref.end], src)
-        finally:
-            self.end_retrieve(ticket)
-        self.metrics.observe("kvtier_retrieve_seconds", time.perf_counter() - started)
-        return out, out.shape[2]
+        with self.retrieve_chunks(tokens, namespace, extra_keys=extra_keys) as got:
+            out = join_chunks(self.layout, got.num_tokens, got.chunks)
+        return out, got.num_tokens
 
     # ---- housekeeping ------------------------------------------------------------------
     def clear(self, medium: str | None = None) -> None:
         """Drop stored KV from every tier (or only ``"CPU"`` = L1, or ``"STORAGE"`` = L2)."""
         self.tiers.clear(medium)
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait for queued L2 writes. Returns False on timeout."""
-        return self.l2.flush(timeout_s)
+    def flush(self, timeout_seconds: float = 30.0) -> bool:
+        """Wait at most ``timeout_seconds`` for queued L2 writes. Returns False on timeout."""
+        return self.l2.flush(timeout_seconds)
 
     def take_events(self) -> list:
         """Events not yet published (in-process users hand them to the engine's own publisher)."""
@@ -376,11 +407,12 @@ class KVCache:
         self.tiers.refresh_gauges()
         return self.metrics.snapshot()
 
-    def close(self, timeout_s: float = 10.0) -> bool:
-        """Flush L2 writes (bounded) and release resources if this cache created its tiers."""
+    def close(self, timeout_seconds: float = 10.0) -> bool:
+        """Flush L2 writes (at most ``timeout_seconds``) and release resources if this cache created its
+        tiers. Returns False when the writes did not finish in time."""
         if self._owns_tiers:
-            return self.tiers.close(timeout_s)
-        return self.flush(timeout_s)
+            return self.tiers.close(timeout_seconds)
+        return self.flush(timeout_seconds)
 
     def __enter__(self):
         return self
@@ -398,23 +430,3 @@ def _runs(slots: list[Slot]) -> list[list[Slot]]:
         else:
             runs.append([slot])
     return runs
-
-
-def require_torch():
-    try:
-        import torch
-    except ImportError:
-        raise KVTierError("retrieve returns torch tensors; install torch: pip install 'kvtier[hf]'") from None
-    return torch
-
-
-def as_numpy(kv) -> np.ndarray:
-    """A numpy view of a torch tensor or numpy array (bf16/fp8 viewed as same-size ints; no copy)."""
-    if isinstance(kv, np.ndarray):
-        return kv
-    torch = require_torch()
-    if kv.dtype in (torch.bfloat16,):
-        kv = kv.view(torch.int16)
-    elif kv.element_size() == 1 and kv.dtype != torch.uint8:
-        kv = kv.view(torch.uint8)
-    return kv.detach().cpu().numpy()

@@ -84,7 +84,7 @@ def build_prompt(tokenizer, document: str, question: str) -> list[int]:
 
 def open_cache(model, *, server: str | None, chunk_size: int | None, l1_size_gb: str, disk_path: str | None,
                events: bool = False):
-    """A ``kvtier.server.Client`` for the server URL ``server``; else an in-process ``KVCache`` over L1 and
+    """A ``kvtier.client.Client`` for the server URL ``server``; else an in-process ``KVCache`` over L1 and
     a local disk tier at ``disk_path``. ``chunk_size`` None: 256 in process; the server's own with a server.
     Keys name the weights' identity (the converted SmolLM2 folder's, ``hf.model_identity_of``)."""
     from kvtier.connectors.hf import model_identity_of
@@ -93,7 +93,7 @@ def open_cache(model, *, server: str | None, chunk_size: int | None, l1_size_gb:
     layout = kv_layout_of(model)
     model_id = model_identity_of(model)
     if server:
-        from kvtier.server import Client
+        from kvtier.client import Client
 
         client = Client(server, model=model_id, layout=layout, expect={"chunk_size": chunk_size} if chunk_size else None)
         if client.info is None:  # an engine would serve without the cache; a demo without one shows nothing
@@ -121,7 +121,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def own_server(chunk_size: int | None, l1_size_gb: str, disk_path: str, log, timeout_s: float = 120.0):
+def own_server(chunk_size: int | None, l1_size_gb: str, disk_path: str, log, timeout_seconds: float = 120.0):
     """Run ``kvtier server`` on free 127.0.0.1 ports for the demo (L1 in shared memory, local disk L2 at
     ``disk_path``); yields its URL once its admin ``/healthz`` answers; stops it (SIGTERM, then SIGKILL)."""
     port, admin_port = _free_port(), _free_port()
@@ -134,7 +134,7 @@ def own_server(chunk_size: int | None, l1_size_gb: str, disk_path: str, log, tim
     with tempfile.TemporaryFile("w+") as errors:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors, env=_cache_environ())
         try:
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + timeout_seconds
             while not _healthy(f"http://127.0.0.1:{admin_port}/healthz"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     errors.seek(0)

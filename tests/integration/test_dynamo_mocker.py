@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ holds the support package
 from support.dynamo_procs import MODEL_NAME, Deployment, RouterProbe, start_kvtier_server  # noqa: E402
 
-from kvtier.server.client import Client  # noqa: E402
+from kvtier.client import Client  # noqa: E402
 
 BLOCK = 16  # the mocker's block size, and the kvtier server's block size
 CHUNK = 256

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_server_support import CHUNK, LAYOUT, ServerProc, metric_value
+from support.server import CHUNK, LAYOUT, ServerProc, metric_value
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import services
@@ -29,7 +29,7 @@ import services
 from kvtier.cache import KVCache
 from kvtier.config import KVTierConfig
 from kvtier.l2.base import create_adapter
-from kvtier.server.client import Client
+from kvtier.client import Client
 
 pytestmark = pytest.mark.services
 MODEL = "l2-system"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_server_support import CHUNK, LAYOUT, ServerProc
+from support.server import CHUNK, LAYOUT, ServerProc
 
 from kvtier.connectors.vllm_layout import (
     as_torch,
@@ -16,7 +16,7 @@ from kvtier.connectors.vllm_layout import (
     scatter_chunk,
 )
 from kvtier.errors import InputError
-from kvtier.server.client import Client
+from kvtier.client import Client
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import torch
 
 from kvtier.events import BlockIndex, BlockStored, Subscriber
 from kvtier.hashing import event_id, prefix_hashes
-from kvtier.server import Client
-from test_server_support import CHUNK, LAYOUT, ServerProc, free_port
+from kvtier.client import Client
+from support.server import CHUNK, LAYOUT, ServerProc, free_port
 
 
 def test_server_publishes_events_a_router_can_index(tmp_path):

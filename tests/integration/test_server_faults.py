@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from test_server_support import (
+from support.server import (
     CHUNK,
     CHUNK_BYTES,
     LAYOUT,
@@ -21,14 +21,14 @@ from test_server_support import (
     wait_for,
 )
 
-from kvtier.server.client import Client
+from kvtier.client import Client
 
 # A client that stops half-way: it opens a store (and writes half of the first slot into shared
 # memory) or a retrieve (slots pinned), says READY and waits to be killed.
 HALFWAY = r"""
 import json, sys, time, zmq
-from kvtier.server import protocol as P
-from kvtier.server.dataplane import attach_arena, host_id
+from kvtier import protocol as P
+from kvtier.client.dataplane import attach_arena, host_id
 url, mode, layout, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 from kvtier.layout import KVLayout
 lay = KVLayout.from_dict(layout)
@@ -118,8 +118,8 @@ def test_client_killed_mid_retrieve_releases_its_pins_after_the_lease(tmp_path):
 def test_client_survives_server_down_and_restart(tmp_path):
     port = free_port()
     server = ServerProc(tmp_path, port=port)
-    # timeout_s is far above the test timeout: a call that waited for it would fail the test
-    client = Client(server.url, model="m", layout=LAYOUT, timeout_s=600, retry_after_s=0.2)
+    # timeout_seconds is far above the test timeout: a call that waited for it would fail the test
+    client = Client(server.url, model="m", layout=LAYOUT, timeout_seconds=600, retry_after_seconds=0.2)
     tokens = list(range(40, 40 + 2 * CHUNK))
     kv = kv_for(tokens, 6)
     first_id, first_shm = client.info.server_id, client.info.shm_name
@@ -149,7 +149,7 @@ def test_client_survives_server_down_and_restart(tmp_path):
 @pytest.mark.timeout(120)
 def test_client_started_before_its_server_misses_then_connects(tmp_path):
     port = free_port()
-    client = Client(f"tcp://127.0.0.1:{port}", model="m", layout=LAYOUT, timeout_s=600, retry_after_s=0.2)
+    client = Client(f"tcp://127.0.0.1:{port}", model="m", layout=LAYOUT, timeout_seconds=600, retry_after_seconds=0.2)
     tokens = list(range(CHUNK))
     assert client.lookup(tokens) == 0 and client.store(tokens, kv_for(tokens, 7)) == 0
     assert client.metrics.value("kvtier_client_unavailable_total") == 2
@@ -164,31 +164,31 @@ def test_a_stalled_client_discards_late_copies(tmp_path, monkeypatch):
     """Fault injection around the real client: its copies stall past the lease."""
     import time
 
-    from kvtier.server import client as client_module
+    from kvtier.client import client as client_module
 
     with ServerProc(tmp_path, lease_seconds=1) as server, Client(server.url, model="m", layout=LAYOUT) as client:
         tokens = list(range(300, 300 + 2 * CHUNK))
         kv = kv_for(tokens, 8)
-        real_view = client_module.D.chunk_view
+        real_view = client_module.chunk_view
 
         def stalled_view(*args):
             time.sleep(0.7)  # more than half the 1 s lease
             return real_view(*args)
 
-        monkeypatch.setattr(client_module.D, "chunk_view", stalled_view)
+        monkeypatch.setattr(client_module, "chunk_view", stalled_view)
         assert client.store(tokens, kv) == 0  # gave up before the second chunk: reservation aborted
         assert client.lookup(tokens) == 0
-        monkeypatch.setattr(client_module.D, "chunk_view", real_view)
+        monkeypatch.setattr(client_module, "chunk_view", real_view)
         assert client.store(tokens, kv) == 2
 
         def very_stalled_view(*args):
             time.sleep(1.5)  # past the whole lease: the server unpins before RetrieveEnd
             return real_view(*args)
 
-        monkeypatch.setattr(client_module.D, "chunk_view", very_stalled_view)
+        monkeypatch.setattr(client_module, "chunk_view", very_stalled_view)
         out, n = client.retrieve(tokens)
         assert n == 0 and out.shape[2] == 0  # the late copy is discarded, never returned
-        monkeypatch.setattr(client_module.D, "chunk_view", real_view)
+        monkeypatch.setattr(client_module, "chunk_view", real_view)
         assert metric_value(server.metrics_text(), "kvtier_lease_expired_total", kind="retrieve") == 1
         out, n = client.retrieve(tokens)
         assert n == 2 * CHUNK and torch.equal(out, kv)

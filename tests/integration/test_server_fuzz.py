@@ -12,10 +12,10 @@ import msgspec
 import pytest
 import torch
 import zmq
-from test_server_support import CHUNK, LAYOUT, ServerProc
+from support.server import CHUNK, LAYOUT, ServerProc
 
-from kvtier.server import protocol as P
-from kvtier.server.client import Client
+from kvtier import protocol as P
+from kvtier.client import Client
 
 NUM_MESSAGES = int(os.environ.get("KVTIER_FUZZ_MESSAGES", "100000"))
 BATCH = 500

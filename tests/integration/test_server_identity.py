@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 import zmq
-from test_server_support import CHUNK, LAYOUT, ServerProc
+from support.server import CHUNK, LAYOUT, ServerProc
 
 from kvtier.identity import block_extra_keys, model_identity
 from kvtier.keys import namespace_of
 from kvtier.models import tiny_model
-from kvtier.server import protocol as P
-from kvtier.server.client import Client
-from kvtier.server.dataplane import host_id
+from kvtier import protocol as P
+from kvtier.client import Client
+from kvtier.client.dataplane import host_id
 
 
 @pytest.fixture(scope="module")

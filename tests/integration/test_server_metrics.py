@@ -9,7 +9,7 @@ import subprocess
 import httpx
 import pytest
 import torch
-from test_server_support import (
+from support.server import (
     CHUNK,
     CHUNK_BYTES,
     LAYOUT,
@@ -20,8 +20,8 @@ from test_server_support import (
 )
 
 from kvtier.hashing import prefix_hashes
+from kvtier.client import Client
 from kvtier.keys import ChunkKey, chunk_layout_id
-from kvtier.server.client import Client
 
 TOKEN = "s3cret-admin-token"
 

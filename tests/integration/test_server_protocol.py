@@ -5,13 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-from test_server_support import CHUNK, LAYOUT, ServerProc
+from support.server import CHUNK, LAYOUT, ServerProc
 
+from kvtier import protocol as P
+from kvtier.client import Client
+from kvtier.client.dataplane import host_id
 from kvtier.errors import ProtocolError
 from kvtier.layout import KVLayout
-from kvtier.server import protocol as P
-from kvtier.server.client import Client
-from kvtier.server.dataplane import host_id
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +87,15 @@ def test_layout_mismatch_names_what_differs(server):
 
 def test_client_refuses_config_mismatch_at_construction(server):
     with pytest.raises(ProtocolError, match="chunk_size differs: client expects 256, server uses 16"):
-        Client(server.url, model="m", layout=LAYOUT, expect={"chunk_size": 256}, timeout_s=10)
+        Client(server.url, model="m", layout=LAYOUT, expect={"chunk_size": 256}, timeout_seconds=10)
     # what a vLLM engine expects: its block size and hashing; the refusal names the server flags to use
     with pytest.raises(ProtocolError) as refused:
-        Client(server.url, model="m", layout=LAYOUT, timeout_s=10,
+        Client(server.url, model="m", layout=LAYOUT, timeout_seconds=10,
                expect={"block_size": 8, "hash_algorithm": "xxhash", "hash_seed": "0"})
     for text in ("block_size differs: client expects 8, server uses 16 (start the server with --block-size 8)",
                  "--hash-algorithm xxhash", "--hash-seed 0"):
         assert text in str(refused.value)
-    with Client(server.url, model="m", layout=LAYOUT, expect={"chunk_size": CHUNK}, timeout_s=10) as ok:
+    with Client(server.url, model="m", layout=LAYOUT, expect={"chunk_size": CHUNK}, timeout_seconds=10) as ok:
         assert ok.ping()
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_server_support import CHUNK, LAYOUT, ServerProc
+from support.server import CHUNK, LAYOUT, ServerProc
 
 from kvtier.layout import KVLayout
-from kvtier.server.client import Client
+from kvtier.client import Client
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 import torch
-from test_server_support import CHUNK, LAYOUT, ServerProc, free_port, kvtier_cmd
+from support.server import CHUNK, LAYOUT, ServerProc, free_port, kvtier_cmd
 
-from kvtier.server.client import Client
+from kvtier.client import Client
 
 
 def refused(*args: str) -> str:

@@ -29,7 +29,7 @@ from kvtier.events import BlockStored, EventEmitter
 from kvtier.hashing import DEFAULT_ALGORITHM, DEFAULT_SEED, prefix_hashes
 from kvtier.identity import block_extra_keys
 from kvtier.layout import KVLayout
-from kvtier.server import protocol as P
+from kvtier import protocol as P
 
 NUM_TOKENS = 700  # five 128-token blocks and a partial one; 43 16-token blocks and a partial one
 

@@ -1,4 +1,5 @@
-"""Arena: first-fit allocator with coalescing, lazy memory, and /dev/shm sharing across processes."""
+"""Arena: first-fit allocator with coalescing, lazy memory, and /dev/shm sharing across processes (the client side
+maps it with ``kvtier.client.dataplane.SharedMapping``)."""
 
 import gc
 import os
@@ -10,6 +11,7 @@ import uuid
 import psutil
 import pytest
 
+from kvtier.client.dataplane import SharedMapping
 from kvtier.errors import ConfigError, InputError, KVTierError
 from kvtier.l1.arena import ALIGN_BYTES, Arena, align_up
 
@@ -130,9 +132,9 @@ def shm_name():
 
 _CHILD = r"""
 import sys
-from kvtier.l1.arena import Arena
+from kvtier.client.dataplane import SharedMapping
 name, cap, off, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-a = Arena.attach(name, cap)
+a = SharedMapping(name, cap)
 seen = bytes(a.view(off, n))
 assert seen == bytes(range(256)) * (n // 256), "child saw wrong bytes"
 a.view(off, n)[:] = bytes(reversed(seen))
@@ -163,11 +165,19 @@ def test_shm_create_refuses_existing_and_attach_checks(shm_name):
     with pytest.raises(ConfigError, match="already exists"):
         Arena(1 << 16, shm_name=shm_name)
     with pytest.raises(ConfigError, match="fewer"):
-        Arena.attach(shm_name, 1 << 20)
-    attached = Arena.attach(shm_name, 1 << 16)
-    with pytest.raises(KVTierError, match="attached"):
-        attached.alloc(64)
+        SharedMapping(shm_name, 1 << 20)
+    attached = SharedMapping(shm_name, 1 << 16)
+    with pytest.raises(InputError, match="outside"):
+        attached.view((1 << 16) - 8, 64)
     attached.close()
+    attached.close()  # idempotent
+    with pytest.raises(KVTierError, match="closed"):
+        attached.view(0, 8)
+    with pytest.raises(ConfigError, match="positive int"):
+        SharedMapping(shm_name, 0)
+    with pytest.raises(ConfigError, match="invalid shm_name"):
+        SharedMapping("../etc/passwd", 4096)
+    assert os.path.exists(f"/dev/shm/{shm_name}")  # closing a mapping never removes the server's file
     replaced = Arena(1 << 16, shm_name=shm_name, replace=True)  # stale file from a "crashed" server
     arena.close()
     arena.unlink()  # the old creator must not remove the file that replaced its own
@@ -177,6 +187,6 @@ def test_shm_create_refuses_existing_and_attach_checks(shm_name):
     gc.collect()  # a creator dropped without unlink() still removes its file
     assert not os.path.exists(f"/dev/shm/{shm_name}")
     with pytest.raises(ConfigError, match="does not exist"):
-        Arena.attach(shm_name, 1 << 16)
+        SharedMapping(shm_name, 1 << 16)
     with pytest.raises(ConfigError, match="invalid shm_name"):
         Arena(4096, shm_name="../etc/passwd")

@@ -9,9 +9,10 @@ import uuid
 import numpy as np
 import pytest
 
+from kvtier.client.dataplane import SharedMapping
 from kvtier.errors import ConfigError, InputError
 from kvtier.keys import ChunkKey
-from kvtier.l1.arena import Arena, align_up
+from kvtier.l1.arena import align_up
 from kvtier.l1.store import L1Store
 
 KB = 1024
@@ -265,7 +266,7 @@ def test_threads_reserve_commit_acquire_release(policy):
 
 
 def _child_read_and_write(shm_name: str, capacity: int, offset: int, nbytes: int, queue) -> None:
-    arena = Arena.attach(shm_name, capacity)
+    arena = SharedMapping(shm_name, capacity)
     data = np.frombuffer(arena.view(offset, nbytes), dtype=np.float32).copy()
     arena.view(offset, nbytes)[:] = (data * 2).tobytes()
     queue.put(float(data.sum()))

@@ -92,7 +92,7 @@ class HFConnector:
 
     Args:
         model: a loaded ``PreTrainedModel`` (decoder-only; full attention on every layer; batch 1).
-        cache: a ``kvtier.cache.KVCache`` or ``kvtier.server.Client``: anything with ``lookup(tokens) -> int``,
+        cache: a ``kvtier.cache.KVCache`` or ``kvtier.client.Client``: anything with ``lookup(tokens) -> int``,
             ``retrieve(tokens) -> (kv, n)`` and ``store(tokens, kv) -> int`` for this model's KV layout.
         model_id: the model id the cache was opened with (``model_identity_of(model)`` for a model loaded from a
             folder or the hub); checked against ``cache.model`` when both are known.

@@ -13,7 +13,7 @@ tokens into the allocated blocks before the forward pass (``use_layerwise``: lay
 ``kv_producer`` (stores, never loads), ``kv_consumer`` (loads, never stores).
 
 vLLM CPU runs the scheduler and the worker in different processes, so each side opens its own
-``kvtier.server.Client`` (``kvtier.server_url``) or, without a server, its own in-process ``KVCache``
+``kvtier.client.Client`` (``kvtier.server_url``) or, without a server, its own in-process ``KVCache``
 over a shared ``kvtier.local_disk`` folder. Extra-config keys are listed in ``SETTINGS``.
 """
 
@@ -162,7 +162,7 @@ class KVTierConnector(KVConnectorBase_V1):
         url = self.settings.get("kvtier.server_url")
         if url is None:
             return self._open_in_process()
-        from kvtier.server.client import Client
+        from kvtier.client import Client
 
         expect = self.identity.hash_settings()  # the server hashes exactly like this engine, or refuses
         if "kvtier.chunk_size" in self.settings:
@@ -171,7 +171,7 @@ class KVTierConnector(KVConnectorBase_V1):
             # an unreachable server is not an error: the client answers misses (one warning, the
             # kvtier_client_unavailable_total metric) and picks the server up when it appears
             client = Client(url, model=self.model_id, layout=self.layout, expect=expect, metrics=self.metrics,
-                            timeout_s=self.settings.get("kvtier.timeout_s", 5.0),
+                            timeout_seconds=self.settings.get("kvtier.timeout_s", 5.0),
                             prefault=self._role == KVConnectorRole.WORKER)  # only the worker copies KV
         except ProtocolError as exc:
             raise ConfigError(f"{exc} (kv_connector_extra_config: {self.settings})") from None

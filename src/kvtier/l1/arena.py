@@ -2,8 +2,8 @@
 
 The region is an anonymous private ``mmap`` in-process, or a file under ``/dev/shm`` when a
 ``shm_name`` is given, so other processes (engine clients of the server) can map the same bytes
-with ``Arena.attach``. Either way the kernel backs pages only when they are first written, so an
-8 GB arena costs no RSS until it is used.
+(``kvtier.client.dataplane.SharedMapping``). Either way the kernel backs pages only when they are
+first written, so an 8 GB arena costs no RSS until it is used.
 
 Allocator: free blocks are kept as a sorted list of offsets plus a dict offset -> size.
 ``alloc`` is first fit, a scan over the free blocks in address order (O(f), f = number of free
@@ -23,29 +23,17 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
-import re
 import weakref
 
 from kvtier.errors import ConfigError, InputError, KVTierError
+from kvtier.shm import SHM_DIR, check_range, shm_path
 
 ALIGN_BYTES = 64
-SHM_DIR = "/dev/shm"
-_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 
 def align_up(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of ``ALIGN_BYTES``."""
     return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-
-
-def shm_path(shm_name: str) -> str:
-    """Path of the shared-memory file for ``shm_name``; raises ConfigError for unsafe names."""
-    if not isinstance(shm_name, str) or not _SHM_NAME_RE.match(shm_name) or shm_name in (".", ".."):
-        raise ConfigError(
-            f"invalid shm_name {shm_name!r}: use 1-200 characters from A-Z a-z 0-9 _ . - "
-            f"(it becomes a file name under {SHM_DIR})"
-        )
-    return os.path.join(SHM_DIR, shm_name)
 
 
 def _unlink_if_creator(path: str, creator_pid: int, inode: int) -> None:
@@ -70,7 +58,7 @@ class Arena:
         capacity_bytes: size of the region in bytes (int >= 64). The allocator manages the largest
             multiple of 64 that fits.
         shm_name: when given, back the region with the new file ``/dev/shm/<shm_name>`` (created
-            exclusively) so that other processes can ``Arena.attach`` it; None for anonymous memory.
+            exclusively) so that other processes can map it (``kvtier.client.dataplane.SharedMapping``); None for anonymous memory.
         replace: with ``shm_name``, unlink a stale file of that name first (e.g. left by a crashed
             server) instead of raising.
 
@@ -82,8 +70,6 @@ class Arena:
     def __init__(self, capacity_bytes: int, shm_name: str | None = None, *, replace: bool = False):
         self.capacity_bytes = _check_capacity(capacity_bytes)
         self.shm_name = shm_name
-        self._owner = True
-        self._attached = False
         if shm_name is None:
             self._mmap = mmap.mmap(-1, capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where THP is "madvise": fewer faults, TLB misses
@@ -131,47 +117,11 @@ class Arena:
         finally:
             os.close(fd)
 
-    @classmethod
-    def attach(cls, shm_name: str, capacity_bytes: int) -> Arena:
-        """Map an existing ``/dev/shm/<shm_name>`` read-write (in another process than its creator).
-
-        The attached arena has no allocator: ``view`` works, ``alloc``/``free`` raise KVTierError;
-        the creator decides offsets and passes them along (e.g. ``L1Store.offset``).
-
-        Raises:
-            ConfigError: bad name; file missing; file smaller than ``capacity_bytes``.
-        """
-        path = shm_path(shm_name)
-        _check_capacity(capacity_bytes)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise ConfigError(f"shared-memory file {path} does not exist: is the kvtier server running?") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < capacity_bytes:
-                raise ConfigError(f"{path} holds {size} bytes, fewer than the {capacity_bytes} asked for")
-            mapped = mmap.mmap(fd, capacity_bytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self = cls.__new__(cls)
-        self.capacity_bytes = capacity_bytes
-        self.shm_name = shm_name
-        self._owner = False
-        self._attached = True
-        self._mmap = mapped
-        self._buf = memoryview(mapped)
-        self._free_offsets, self._free_sizes, self._used, self._used_bytes = [], {}, {}, 0
-        self._closed = False
-        return self
-
     # -- allocator -------------------------------------------------------------------------------
 
     def _check_allocator(self) -> None:
         if self._closed:
             raise KVTierError("arena is closed")
-        if self._attached:
-            raise KVTierError("an attached arena cannot allocate: the creating process owns the allocator")
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a new block of at least ``nbytes`` (rounded up to 64), or None if no free block fits.
@@ -253,14 +203,7 @@ class Arena:
         """
         if self._closed:
             raise KVTierError("arena is closed")
-        if (
-            isinstance(offset, bool) or isinstance(nbytes, bool)
-            or not isinstance(offset, int) or not isinstance(nbytes, int)
-            or offset < 0 or nbytes < 0 or offset + nbytes > self.capacity_bytes
-        ):
-            raise InputError(
-                f"view({offset!r}, {nbytes!r}) is outside the arena of {self.capacity_bytes} bytes"
-            )
+        check_range(offset, nbytes, self.capacity_bytes)
         return self._buf[offset : offset + nbytes]
 
     def close(self) -> None:
@@ -281,27 +224,19 @@ class Arena:
     def unlink(self) -> None:
         """Remove the ``/dev/shm`` file (no-op for anonymous arenas or if already gone).
 
-        Processes that mapped it keep their mapping; new ``attach`` calls fail. The creating arena
-        removes only the file it created (not a newer one of the same name), and also does so when
-        it is garbage-collected or the process exits without calling ``unlink``.
+        Processes that mapped it keep their mapping; new attaches fail. The arena removes only the
+        file it created (not a newer one of the same name), and also does so when it is
+        garbage-collected or the process exits without calling ``unlink``.
         """
-        if self.shm_name is None:
-            return
-        if self._owner:
+        if self.shm_name is not None:
             self._finalizer()  # unlinks our file (not a replacement) once; later calls do nothing
-            return
-        try:
-            os.unlink(shm_path(self.shm_name))
-        except FileNotFoundError:
-            pass
 
     def __enter__(self) -> Arena:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-        if self._owner:
-            self.unlink()
+        self.unlink()
 
     def __repr__(self) -> str:
         where = f"shm={self.shm_name!r}" if self.shm_name else "anonymous"

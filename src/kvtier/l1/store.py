@@ -51,7 +51,7 @@ class L1Store:
         capacity_bytes: the budget; also the size of the arena (virtual memory, touched lazily).
         policy: eviction policy name, "LRU", "ARC" or "S3FIFO" (ConfigError otherwise).
         shm_name: back the arena with ``/dev/shm/<shm_name>`` so clients can attach it
-            (``Arena.attach(shm_name, capacity_bytes)``) and copy through ``offset(key)``.
+            (``kvtier.client.dataplane.SharedMapping(shm_name, capacity_bytes)``) and copy through ``offset(key)``.
         replace_shm: unlink a stale ``/dev/shm/<shm_name>`` instead of refusing to start.
 
     Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept

@@ -218,9 +218,9 @@ class L2Tier:
             if run:
                 self.events.stored(batch.tokens, batch.event_refs[:run], "STORAGE")
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued write is done. Returns False on timeout."""
-        deadline = time.monotonic() + timeout_s
+    def flush(self, timeout_seconds: float = 30.0) -> bool:
+        """Wait at most ``timeout_seconds`` until every queued write is done. Returns False on timeout."""
+        deadline = time.monotonic() + timeout_seconds
         with self._cond:
             while self._pending:
                 left = deadline - time.monotonic()
@@ -266,9 +266,10 @@ class L2Tier:
                         "capacity_bytes": usage.capacity_bytes if usage else None})
         return out
 
-    def close(self, timeout_s: float = 10.0) -> bool:
-        """Finish queued writes (bounded wait), stop the writer, close adapters. Returns False if writes were cut off."""
-        done = self.flush(timeout_s)
+    def close(self, timeout_seconds: float = 10.0) -> bool:
+        """Finish queued writes (at most ``timeout_seconds``), stop the writer, close adapters. Returns False if
+        writes were cut off."""
+        done = self.flush(timeout_seconds)
         with self._cond:
             self._closed = True
             self._cond.notify_all()

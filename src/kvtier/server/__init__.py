@@ -1,6 +1,8 @@
-"""kvtier server: ZMQ protocol, shared-memory data plane, admin HTTP, and the engine-side ``Client``."""
+"""kvtier server: the ZMQ request loop, sessions and leases, shared L1, and admin HTTP.
 
-from kvtier.server.client import Client
-from kvtier.server.protocol import PROTOCOL_VERSION
+The engine-side client is ``kvtier.client.Client``; the wire protocol both speak is ``kvtier.protocol``.
+"""
 
-__all__ = ["PROTOCOL_VERSION", "Client"]
+from kvtier.protocol import PROTOCOL_VERSION
+
+__all__ = ["PROTOCOL_VERSION"]

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from kvtier import __version__
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.server.protocol import PROTOCOL_VERSION
+from kvtier.protocol import PROTOCOL_VERSION
 from kvtier.server.telemetry import CONTENT_TYPE, Telemetry
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,9 @@ class AdminHTTP:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_seconds: float = 5.0) -> None:
+        """Ask uvicorn to exit and wait at most ``timeout_seconds`` for its thread."""
         self._uvicorn.should_exit = True
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            self._thread.join(timeout_seconds)
         self.sock.close()

@@ -135,12 +135,12 @@ def run(config, log_level: str = "INFO") -> None:
 
 @click.command()
 @click.option("--admin-url", default="http://127.0.0.1:8080", show_default=True, help="The server's admin HTTP.")
-@click.option("--timeout", "timeout_s", type=float, default=5.0, show_default=True, help="Seconds to wait.")
-def status(admin_url: str, timeout_s: float) -> None:
+@click.option("--timeout", "timeout_seconds", type=float, default=5.0, show_default=True, help="Seconds to wait.")
+def status(admin_url: str, timeout_seconds: float) -> None:
     """Print a running server's /status (JSON)."""
     url = admin_url.rstrip("/") + "/status"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_seconds) as response:
             body = json.load(response)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise KVTierError(f"cannot read {url}: {getattr(exc, 'reason', exc)}; is the server running?") from None

@@ -1,6 +1,6 @@
 """The kvtier server: one L1 (in shared memory) and one L2 cascade serving every engine on the host.
 
-A ZMQ ROUTER answers the requests of ``kvtier.server.protocol`` from one thread. Caches are made per
+A ZMQ ROUTER answers the requests of ``kvtier.protocol`` from one thread. Caches are made per
 (model, KV layout, namespace) on ``Hello`` and share the tiers. Store and retrieve hand out L1 slots;
 each reservation or pin is a *lease* that expires after ``server.lease_seconds``: an expired store is
 aborted (its half-written chunk never becomes visible) and an expired retrieve is unpinned (the
@@ -19,12 +19,12 @@ from collections import deque
 import msgspec
 import zmq
 
+from kvtier import protocol as P
 from kvtier.cache import KVCache, Tiers
+from kvtier.client.dataplane import host_id
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
-from kvtier.server import protocol as P
-from kvtier.server.dataplane import host_id
 from kvtier.server.session import (
     HandshakeRefused,
     Lease,

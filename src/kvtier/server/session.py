@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier import __version__
+from kvtier import protocol as P
 from kvtier.cache import KVCache
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
 from kvtier.layout import KVLayout
-from kvtier.server import protocol as P
 
 
 @dataclass(slots=True)

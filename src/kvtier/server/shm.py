@@ -13,8 +13,9 @@ import logging
 import os
 import re
 
+from kvtier.shm import SHM_DIR
+
 log = logging.getLogger(__name__)
-SHM_DIR = "/dev/shm"
 _SHM_RE = re.compile(r"^kvtier-(\d+)-[0-9a-f]{8}$")
 
 

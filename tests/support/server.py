@@ -1,4 +1,4 @@
-"""Helpers for the server integration tests: start a real ``kvtier server`` subprocess on free
+"""Helpers for tests that need a kvtier server: start a real ``kvtier server`` subprocess on free
 127.0.0.1 ports, wait for /healthz, stop it with SIGTERM (and check it exits 0). No tests here."""
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""Client: the engine's handle on a kvtier server, with the ``lookup/store/retrieve/clear`` of ``KVCache``.
+"""Client: the engine's handle on a kvtier server; a ``KVBackend`` (``kvtier.backend``) like ``KVCache``.
+
+Imports nothing of the server or the storage tiers (L1, L2, events): an engine process that talks to a
+server loads only the wire protocol, the data plane and pyzmq.
 
 Resilience rules (the engine must never hang or crash because of the cache):
   * A ZMQ monitor tracks the connection: while it is down every call is a *fast miss* (lookup 0,
     store 0, retrieve empty) with one warning per outage and ``kvtier_client_unavailable_total``.
-  * A call waits at most ``timeout_s``; on timeout the socket is reset and calls are fast misses for a
+  * A call waits at most ``timeout_seconds``; on timeout the socket is reset and calls are fast misses for a
     back-off period. A server that restarts (new session, maybe a new shared-memory arena) is picked
     up by itself: the next call gets ``no_session``, the client says ``Hello`` again and retries once.
   * Only caller mistakes raise (InputError: bad tokens, KV of the wrong shape or dtype), as in KVCache
@@ -24,12 +27,14 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvtier import protocol as P
+from kvtier.backend import Fill, Retrieved
+from kvtier.client import dataplane as D
 from kvtier.errors import InputError, ProtocolError
 from kvtier.hashing import as_token_array
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
-from kvtier.server import dataplane as D
-from kvtier.server import protocol as P
+from kvtier.tensors import as_numpy, chunk_view, copy_from, empty_kv, join_chunks
 
 log = logging.getLogger(__name__)
 _UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -45,11 +50,11 @@ class Client:
         model: the weights' identity (``identity.model_identity``), part of every key.
         layout: the KV layout (``KVLayout`` or its ``to_dict()``).
         namespace: default namespace (LoRA / cache_salt, see ``keys.namespace_of``).
-        timeout_s: longest wait for one reply.
+        timeout_seconds: longest wait for one reply.
         shared_memory: use the server's shared L1 when it is on this host (else bytes travel as frames).
         expect: server settings this client relies on (``chunk_size``, ``block_size``, ``hash_algorithm``,
             ``hash_seed``, ``save_unfull_chunk``); a difference refuses the session.
-        retry_after_s: after a timeout, calls are fast misses for this long before the next try.
+        retry_after_seconds: after a timeout, calls are fast misses for this long before the next try.
         metrics: where ``kvtier_client_unavailable_total`` is counted (a new ``Metrics`` if None).
         prefault: map the whole shared L1 when attaching it (``dataplane.prefault``): a one-time cost at
             startup (about 0.5 s per GiB here) that takes page faults out of every later store and retrieve.
@@ -60,16 +65,16 @@ class Client:
     """
 
     def __init__(self, url: str, *, model: str, layout: KVLayout | dict, namespace: str = "",
-                 timeout_s: float = 10.0, shared_memory: bool = True, expect: dict | None = None,
-                 retry_after_s: float = 1.0, metrics: Metrics | None = None, prefault: bool = False):
+                 timeout_seconds: float = 10.0, shared_memory: bool = True, expect: dict | None = None,
+                 retry_after_seconds: float = 1.0, metrics: Metrics | None = None, prefault: bool = False):
         self.url = url
         self.model = model
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout)
         self.namespace = namespace
-        self.timeout_s = timeout_s
+        self.timeout_seconds = timeout_seconds
         self.shared_memory = shared_memory
         self.expect = dict(expect or {})
-        self.retry_after_s = retry_after_s
+        self.retry_after_seconds = retry_after_seconds
         self.metrics = metrics or Metrics()
         self.prefault = prefault
         self.info: P.HelloReply | None = None  # the server's answer to the last handshake
@@ -83,7 +88,7 @@ class Client:
         self._warned = False
         self._open_socket()
         with self._lock:
-            self._wait_linked(min(timeout_s, 2.0))  # an engine may start before its server
+            self._wait_linked(min(timeout_seconds, 2.0))  # an engine may start before its server
             try:
                 answered = not self._linked or self._handshake(raise_refusal=True)
             except ProtocolError:  # refused: release the sockets now (a context collected later with open
@@ -113,18 +118,18 @@ class Client:
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
-    def _drain_monitor(self, wait_s: float = 0.0) -> None:
-        """Apply queued connection events to ``_linked`` (waiting up to ``wait_s`` for the first)."""
-        while self._monitor.poll(int(wait_s * 1000)):
+    def _drain_monitor(self, wait_seconds: float = 0.0) -> None:
+        """Apply queued connection events to ``_linked`` (waiting up to ``wait_seconds`` for the first)."""
+        while self._monitor.poll(int(wait_seconds * 1000)):
             event = recv_monitor_message(self._monitor)["event"]
             if event & _UP_EVENTS:
                 self._linked = True
             elif event & _DOWN_EVENTS:
                 self._linked = False
-            wait_s = 0.0
+            wait_seconds = 0.0
 
-    def _wait_linked(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _wait_linked(self, timeout_seconds: float) -> None:
+        deadline = time.monotonic() + timeout_seconds
         self._drain_monitor()
         while not self._linked and time.monotonic() < deadline:
             self._drain_monitor(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -133,7 +138,7 @@ class Client:
         if backoff:  # a hung server: start over with a fresh socket after a pause
             self._close_socket()
             self._open_socket()
-            self._down_until = time.monotonic() + self.retry_after_s
+            self._down_until = time.monotonic() + self.retry_after_seconds
         if not self._warned:
             log.warning("kvtier server %s unavailable (%s): calls are cache misses until it is back", self.url, why)
             self._warned = True
@@ -172,14 +177,14 @@ class Client:
         except zmq.Again:
             self._mark_down("send queue full or no connection")
             return None, []
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_seconds
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._mark_down(f"no reply within {self.timeout_s} s")
+                self._mark_down(f"no reply within {self.timeout_seconds} s")
                 return None, []
             ready = dict(poller.poll(int(left * 1000) + 1))
             if self._monitor in ready:
@@ -224,7 +229,15 @@ class Client:
         self.metrics.inc("kvtier_client_unavailable_total")
         return None, []
 
-    # ---- the KVCache interface -----------------------------------------------------------------
+    # ---- the KVBackend interface ---------------------------------------------------------------
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk: the server's (from the last handshake); before the server was ever reached, the
+        ``expect["chunk_size"]`` given, else 0 (unknown; every call is a miss until the server answers)."""
+        if self.info is not None:
+            return self.info.chunk_size
+        return int(self.expect.get("chunk_size", 0))
+
     def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
         """Number of leading tokens of ``tokens`` whose KV the server holds (0 when it is unavailable).
         ``extra_keys``: per-block extra keys, as for ``KVCache``."""
@@ -235,30 +248,23 @@ class Client:
         return reply.num_tokens if isinstance(reply, P.LookupReply) else 0
 
     def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
-        """Store the KV of ``tokens`` (``(num_layers, 2, T, num_kv_heads, head_dim)``, layout dtype).
+        """Store the KV of ``tokens`` (``(num_layers, 2, T, num_kv_heads, head_dim)``, layout dtype), through
+        ``store_chunks``: only the chunks the server lacks are copied.
 
         Returns the number of chunks newly stored (0 when the server is unavailable).
         Raises InputError when ``tokens`` or ``kv`` do not match the layout.
         """
         arr = as_token_array(tokens)
         self.layout.validate_kv(kv, len(arr))
-        src = D.to_numpy(kv)
+        return self.store_chunks(arr, copy_from(as_numpy(kv)), namespace, extra_keys=extra_keys)
 
-        def fill(start: int, dst) -> None:
-            dst.view(src.dtype)[...] = src[:, :, start:start + dst.shape[2]]
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None) -> int:
+        """``KVBackend.store_chunks`` over the server: ``dst`` is the server's L1 slot itself with shared
+        memory (no intermediate copy), otherwise a buffer sent as a frame.
 
-        return self.store_chunks(arr, fill, namespace, extra_keys=extra_keys)
-
-    def store_chunks(self, tokens, fill, namespace: str | None = None, *, extra_keys=None) -> int:
-        """Store ``tokens``' chunks that the server lacks, letting ``fill`` write each one in place.
-
-        ``fill(start, dst)`` is called once per missing chunk, in order: ``start`` is the chunk's first token,
-        ``dst`` a writable numpy array ``(num_layers, 2, n, num_kv_heads, head_dim)`` (``n`` tokens, the
-        layout's ``numpy_dtype``) that ``fill`` must overwrite entirely; with shared memory it is the L1 slot
-        itself (no intermediate copy), otherwise a buffer sent as a frame. Chunks already stored are never
-        asked for. Returns the number of chunks newly stored (0 when the server is unavailable, or when
-        the lease ran out before every chunk was written: then nothing is stored). Raises InputError for bad
-        tokens; whatever ``fill`` raises aborts the reservation and is raised.
+        Returns the number of chunks newly stored (0 when the server is unavailable, or when the lease ran
+        out before every chunk was written: then nothing is stored). Raises InputError for bad tokens;
+        whatever ``fill`` raises aborts the reservation and is raised.
         """
         arr = as_token_array(tokens)
         with self._lock:
@@ -276,7 +282,7 @@ class Client:
                                      frames if ok else [], retry=False)
         return done.num_stored if isinstance(done, P.StoreDone) else 0
 
-    def _fill_slots(self, slots, fill, got_at: float) -> tuple[bool, list]:
+    def _fill_slots(self, slots, fill: Fill, got_at: float) -> tuple[bool, list]:
         chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()
         in_shm = slots[0].offset >= 0 and self._arena is not None
         # never write after half the lease: past the lease the server may have reused the slot
@@ -287,7 +293,7 @@ class Client:
                 return False, []
             n = D.slot_tokens(slot, self.layout)
             if in_shm:
-                dst = D.chunk_view(self._arena.view(slot.offset, slot.nbytes), self.layout, n, dtype)
+                dst = chunk_view(self._arena.view(slot.offset, slot.nbytes), self.layout, n, dtype)
             else:
                 dst = np.empty(self.layout.chunk_shape(n), dtype=dtype)
                 frames.append(dst.data)
@@ -295,28 +301,22 @@ class Client:
         return True, frames
 
     def retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None):
-        """KV of the leading available tokens: ``(kv, num_tokens)``, kv a torch tensor
-        ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``; ``num_tokens`` is 0 on a miss or when the
-        server is unavailable. Bytes are never wrong: a copy made after the lease ended is discarded."""
+        """KV of the leading available tokens, through ``retrieve_chunks``: ``(kv, num_tokens)``, kv a torch
+        tensor ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)`` in the layout dtype; ``num_tokens`` is 0
+        on a miss or when the server is unavailable. Bytes are never wrong: a copy made after the lease
+        ended is discarded. Raises InputError for bad tokens."""
         with self.retrieve_chunks(tokens, namespace, extra_keys=extra_keys) as got:
-            out, dst = D.empty_kv(self.layout, got.num_tokens)
-            for start, view in got.chunks:
-                dst[:, :, start:start + view.shape[2]] = view.view(dst.dtype)
+            out = join_chunks(self.layout, got.num_tokens, got.chunks)
         if got.ok and got.num_tokens:
             return out, got.num_tokens
-        return D.empty_kv(self.layout, 0)[0], 0
+        return empty_kv(self.layout, 0)[0], 0
 
     @contextlib.contextmanager
     def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None):
-        """Zero-copy access to the KV of the leading available tokens, chunk by chunk.
-
-        Yields a ``Retrieved``: ``num_tokens`` (0 on a miss or when the server is unavailable) and ``chunks``,
-        a list of ``(start, view)`` in token order, ``view`` a read-only numpy array ``(num_layers, 2, n,
-        num_kv_heads, head_dim)`` (layout ``numpy_dtype``) over the pinned L1 slot (shared memory) or over a
-        received frame. Views are valid only inside the ``with`` block; the client lock is held
-        throughout, so copy and leave. After the block, ``ok`` says whether what was read is valid: False
-        when the server's lease ran out meanwhile (the slot may have been reused): discard the copy.
-        Raises InputError for bad tokens.
+        """``KVBackend.retrieve_chunks`` over the server: the views are the pinned L1 slots (shared memory)
+        or the received frames. The client lock is held throughout the ``with`` block (one call at a time),
+        so copy and leave. ``ok`` turns False when the server's lease ran out meanwhile (the slot may have
+        been reused): discard the copy. Raises InputError for bad tokens.
         """
         arr = as_token_array(tokens)
         got = Retrieved()
@@ -346,7 +346,7 @@ class Client:
         chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()
         out = []
         for slot, buf in zip(slots, buffers):
-            view = D.chunk_view(buf, self.layout, D.slot_tokens(slot, self.layout), dtype)
+            view = chunk_view(buf, self.layout, D.slot_tokens(slot, self.layout), dtype)
             view.flags.writeable = False  # the slot is shared: a reader must never write it
             out.append((slot.chunk_index * chunk_size, view))
         return out
@@ -360,16 +360,21 @@ class Client:
             reply, _ = self._call(P.Clear(id=next(self._ids), medium=medium))
         return reply.num_chunks if isinstance(reply, P.ClearReply) else 0
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait (at most ``timeout_s``) until the server's queued L2 writes are done. False on timeout or
+    def flush(self, timeout_seconds: float = 30.0) -> bool:
+        """Wait (at most ``timeout_seconds``) until the server's queued L2 writes are done. False on timeout or
         when the server is unavailable."""
         with self._lock:
-            saved, self.timeout_s = self.timeout_s, max(self.timeout_s, timeout_s + 5.0)
+            saved, self.timeout_seconds = self.timeout_seconds, max(self.timeout_seconds, timeout_seconds + 5.0)
             try:
-                reply, _ = self._call(P.Flush(id=next(self._ids), timeout_seconds=timeout_s))
+                reply, _ = self._call(P.Flush(id=next(self._ids), timeout_seconds=timeout_seconds))
             finally:
-                self.timeout_s = saved
+                self.timeout_seconds = saved
         return isinstance(reply, P.FlushReply) and reply.done
+
+    def take_events(self) -> list:
+        """KV cache events for the engine to publish: always [] today, the server publishes its own events
+        (``--enable-kv-events``); part of ``KVBackend`` so connectors treat both backends alike."""
+        return []
 
     def ping(self) -> bool:
         """True when the server answers."""
@@ -395,11 +400,11 @@ class Client:
                 return
             self._drain_monitor()
             if self._linked and self.info is not None:
-                timeout, self.timeout_s = self.timeout_s, min(self.timeout_s, 0.5)
+                timeout, self.timeout_seconds = self.timeout_seconds, min(self.timeout_seconds, 0.5)
                 try:
                     self._roundtrip(P.Bye(id=next(self._ids)), ())
                 finally:
-                    self.timeout_s = timeout
+                    self.timeout_seconds = timeout
             self._close_socket()
             self._sock = None
             self._ctx.term()
@@ -412,15 +417,6 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
-
-
-class Retrieved:
-    """What ``Client.retrieve_chunks`` yields: ``num_tokens``, ``chunks`` [(start token, view)], and ``ok``."""
-
-    __slots__ = ("num_tokens", "chunks", "ok")
-
-    def __init__(self):
-        self.num_tokens, self.chunks, self.ok = 0, [], False
 
 
 def _frames_match(payload, slots) -> bool:
