@@ -303,3 +303,24 @@ def test_faulty_latency_applies_to_selected_ops(tmp_path):
     start = time.monotonic()
     assert faulty.contains(["0123456789abcdef-0123456789abcdef"]) == [False]
     assert time.monotonic() - start >= 0.03
+
+
+def test_records_and_folders_are_private_and_older_ones_are_tightened(tmp_path):
+    root = tmp_path / "l2"
+    adapter = disk(root)
+    key, tokens, parts, payload = record(1)
+    assert adapter.put([(key.name(), parts)]) == [True]
+    path = adapter._path(key.name())
+    shard = os.path.dirname(path)
+
+    def modes():
+        return [os.stat(p).st_mode & 0o777 for p in (path, shard, root)]
+
+    assert modes() == [0o600, 0o700, 0o700]
+    adapter.close()
+    for p, mode in ((path, 0o644), (shard, 0o755), (root, 0o755)):  # as kvtier left them before
+        os.chmod(p, mode)
+    reopened = disk(root)
+    assert modes() == [0o600, 0o700, 0o700]
+    check(reopened.get([key.name()])[0], key, tokens, payload)
+    reopened.close()

@@ -1,5 +1,6 @@
 """File I/O helpers of the local-disk adapter: full writes, buffered and O_DIRECT reads, aligned
-buffers, directory fsync. O_DIRECT needs buffer, offset and length aligned to the block size."""
+buffers, directory fsync, private permissions. O_DIRECT needs buffer, offset and length aligned to the
+block size. Records hold token ids and KV: files are 0600 and folders 0700 (``FILE_MODE``, ``DIR_MODE``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import numpy as np
 from kvtier.l2.base import Buffer
 
 ALIGN = mmap.PAGESIZE
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -85,3 +88,15 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
+
+
+def tighten(path: str, mode: int, want: int) -> bool | None:
+    """Make ``path`` (current ``st_mode`` ``mode``) private: drop group/other bits to ``want``. Returns None
+    when it already was, True when tightened, False when it could not be (not ours, read-only)."""
+    if not mode & 0o077:
+        return None
+    try:
+        os.chmod(path, want)
+        return True
+    except OSError:
+        return False

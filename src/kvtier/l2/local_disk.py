@@ -12,7 +12,9 @@ On-disk layout (the file holds exactly the bytes put: an encoded ``record``)::
 
 ``hNhN`` are successive 2-hex-character slices of the prefix-hash part of the name, ``shard_depth``
 levels (0: every file directly under ``path``). Several processes may share one directory: a name
-missing from this process's index is looked up on disk before it is called a miss.
+missing from this process's index is looked up on disk before it is called a miss. Files are created
+0600 and folders 0700 (records hold token ids and KV); files and folders of earlier versions that other
+users could read are tightened at startup, or a warning names them when that is not possible.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class LocalDiskAdapter(L2Adapter):
         self._host = xxhash.xxh32_hexdigest(socket.gethostname().encode())
         self._local = threading.local()
         self._logged_errnos: set[int] = set()
+        self._warned_open = False
         self._closed = False
         self._pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix="kvtier-disk") \
             if config.num_threads > 1 else None
@@ -220,7 +223,7 @@ class LocalDiskAdapter(L2Adapter):
 
     def _write_buffered(self, tmp: str, views: list[memoryview]) -> None:
         # O_TRUNC, not O_EXCL: a refused O_DIRECT attempt may have created this (unique) temp name
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, fileio.FILE_MODE)
         try:
             fileio.write_all(fd, views)
             if self._fsync:
@@ -235,7 +238,7 @@ class LocalDiskAdapter(L2Adapter):
         for v in views:  # O_DIRECT cannot take the caller's unaligned buffers: one copy
             buf[offset:offset + v.nbytes] = v
             offset += v.nbytes
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fileio.O_DIRECT, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fileio.O_DIRECT, fileio.FILE_MODE)
         try:
             if aligned:
                 fileio.write_all(fd, [buf[:aligned]])
@@ -262,7 +265,7 @@ class LocalDiskAdapter(L2Adapter):
             for part in os.path.relpath(directory, self.root).split(os.sep) if directory != self.root else ():
                 parent, current = current, os.path.join(current, part)
                 try:
-                    os.mkdir(current)
+                    os.mkdir(current, fileio.DIR_MODE)
                 except FileExistsError:
                     continue
                 synced.add(parent)
@@ -338,6 +341,7 @@ class LocalDiskAdapter(L2Adapter):
                         st = entry.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
+                    self._private(entry.path, st.st_mode, fileio.FILE_MODE)
                     found[fname] = (st.st_size, st.st_mtime)
                 else:
                     misplaced += 1
@@ -363,6 +367,7 @@ class LocalDiskAdapter(L2Adapter):
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 if depth < 4 and _SHARD_RE.fullmatch(entry.name):
+                    self._private(entry.path, entry.stat(follow_symlinks=False).st_mode, fileio.DIR_MODE)
                     yield from self._walk(entry.path, depth + 1)
             elif entry.is_file(follow_symlinks=False):
                 yield directory, depth, entry
@@ -411,6 +416,14 @@ class LocalDiskAdapter(L2Adapter):
                         op, path, exc.strerror or exc)
         return result
 
+    def _private(self, path: str, mode: int, want: int) -> None:
+        """Tighten a file or folder other users can read (made by an earlier kvtier), or warn once."""
+        done = fileio.tighten(path, mode, want)
+        if done is False and not self._warned_open:
+            self._warned_open = True
+            log.warning("local_disk %s: %s is readable by other users (mode %04o) and cannot be changed by this "
+                        "user; records hold token ids and KV: chmod it to %04o", self.root, path, mode & 0o777, want)
+
     def _with_direct_fallback(self, direct, buffered):
         if self._direct:
             try:
@@ -431,7 +444,8 @@ class LocalDiskAdapter(L2Adapter):
         # also probes O_DIRECT when asked for, so a refusing file system is reported at startup
         probe = os.path.join(self.root, f".probe-{os.getpid()}-{threading.get_ident()}")
         try:
-            os.makedirs(self.root, exist_ok=True)
+            os.makedirs(self.root, fileio.DIR_MODE, exist_ok=True)
+            self._private(self.root, os.stat(self.root).st_mode, fileio.DIR_MODE)
             self._with_direct_fallback(lambda: self._write_direct(probe, [memoryview(bytes(fileio.ALIGN))], fileio.ALIGN),
                                        lambda: self._write_buffered(probe, [memoryview(b"kvtier")]))
         except OSError as exc:
