@@ -17,6 +17,10 @@ class CorruptRecordError(KVTierError):
     """A stored chunk record failed its magic, length, checksum, key or token-id check."""
 
 
+class RecordAuthError(CorruptRecordError):
+    """A stored chunk record's HMAC (``l2_record_key``) is missing or wrong: forged, or written without the key."""
+
+
 class StorageError(KVTierError):
     """An L2 adapter operation failed. The cache turns it into a miss plus a metric."""
 

@@ -2,26 +2,37 @@
 
 Layout (all integers big-endian)::
 
-    magic b"KVTR" | u16 format version | u32 header length | header (msgpack) | payload (raw KV bytes)
+    magic b"KVTR" | u16 format version | u32 header length | header (msgpack) | payload (raw KV bytes) | tag
 
 The header holds the key, the KV layout, the chunk's token ids, the payload length, the payload's
-xxh3-64 checksum and the payload encoding (``"raw"``). A reader checks all of them: any mismatch
-raises CorruptRecordError, which the cache turns into a miss, a delete and a metric.
+xxh3-64 checksum, the payload encoding (``"raw"``) and the record authentication (``auth``). A reader
+checks all of them: any mismatch raises CorruptRecordError, which the cache turns into a miss, a delete
+and a metric. The checksum catches accidents; it is no defence against someone who can write the store.
+
+Record authentication (format version 2, for L2 stores several parties can write): with a key
+(``l2_record_key``), ``auth`` is ``"hmac-sha256"`` and ``tag`` is HMAC-SHA256(key, everything before the
+tag): 32 bytes. A reader with a key refuses (RecordAuthError) a record whose tag is wrong and one written
+without a key (``auth`` ``"none"``, no tag; format version 1 records are such records).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 
 import msgspec
 import xxhash
 
-from kvtier.errors import CorruptRecordError
+from kvtier.errors import CorruptRecordError, RecordAuthError
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 
 MAGIC = b"KVTR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: ``auth`` and the HMAC tag; version 1 records (no auth) are still read
+READ_VERSIONS = (1, 2)
+HMAC_SHA256 = "hmac-sha256"
+TAG_BYTES = 32
 _PREFIX = struct.Struct(">4sHI")
 PREFIX_BYTES = _PREFIX.size
 
@@ -38,6 +49,7 @@ class RecordHeader(msgspec.Struct, array_like=True, frozen=True):
     payload_bytes: int
     checksum: int
     encoding: str = "raw"
+    auth: str = "none"  # or "hmac-sha256": a TAG_BYTES tag follows the payload
 
     @property
     def key(self) -> ChunkKey:
@@ -48,16 +60,25 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(RecordHeader)
 
 
-def encode_record(key: ChunkKey, layout: KVLayout, token_ids: list[int], payload) -> list:
-    """Return ``[header_bytes, payload]``; write both, in order, to store the record.
+def encode_record(key: ChunkKey, layout: KVLayout, token_ids: list[int], payload, auth_key: bytes | None = None) -> list:
+    """Return ``[header_bytes, payload]``, plus the HMAC tag with ``auth_key``; write the parts, in order, to
+    store the record.
 
     ``payload`` is any buffer (bytes, memoryview, numpy array); it is not copied.
     """
     view = memoryview(payload).cast("B")
     header = RecordHeader(key.model, key.layout_id, key.namespace, key.prefix_hash, layout.to_dict(),
-                          list(token_ids), view.nbytes, xxhash.xxh3_64_intdigest(view))
+                          list(token_ids), view.nbytes, xxhash.xxh3_64_intdigest(view),
+                          auth=HMAC_SHA256 if auth_key else "none")
     body = _encoder.encode(header)
-    return [_PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body, view]
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    return [head, view, _tag(auth_key, head, view)] if auth_key else [head, view]
+
+
+def _tag(auth_key: bytes, head, payload) -> bytes:
+    mac = hmac.new(auth_key, head, hashlib.sha256)
+    mac.update(payload)  # hashlib releases the GIL over large buffers
+    return mac.digest()
 
 
 def record_size(parts: list) -> int:
@@ -73,8 +94,8 @@ def decode_header(buf) -> tuple[RecordHeader, int]:
     magic, version, hlen = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise CorruptRecordError("not a kvtier record (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CorruptRecordError(f"record format version {version}; this kvtier reads {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise CorruptRecordError(f"record format version {version}; this kvtier reads {READ_VERSIONS}")
     if view.nbytes < PREFIX_BYTES + hlen:
         raise CorruptRecordError("record truncated inside its header")
     try:
@@ -84,22 +105,35 @@ def decode_header(buf) -> tuple[RecordHeader, int]:
     return header, PREFIX_BYTES + hlen
 
 
-def decode_record(buf, key: ChunkKey | None = None, token_ids: list[int] | None = None) -> tuple[RecordHeader, memoryview]:
+def decode_record(buf, key: ChunkKey | None = None, token_ids: list[int] | None = None,
+                  auth_key: bytes | None = None) -> tuple[RecordHeader, memoryview]:
     """Verify a whole record and return (header, payload view into ``buf``).
+
+    ``auth_key``: the ``l2_record_key``; with it, the record must carry a valid HMAC tag. Without it a
+    tag is not checked (the checksum still is).
 
     Raises:
         CorruptRecordError: bad magic/version, truncated, checksum mismatch, or a key / token ids
             different from the expected ones (a hash collision or a misplaced file).
+        RecordAuthError (a CorruptRecordError): with ``auth_key``, a wrong tag or a record without one.
     """
     header, offset = decode_header(buf)
     view = memoryview(buf).cast("B")
-    payload = view[offset:]
     if header.encoding != "raw":
         raise CorruptRecordError(f"record payload encoding {header.encoding!r} is not one this kvtier reads ('raw')")
+    if header.auth not in ("none", HMAC_SHA256):
+        raise CorruptRecordError(f"record authentication {header.auth!r} is not one this kvtier reads")
+    tag_bytes = TAG_BYTES if header.auth == HMAC_SHA256 else 0
+    payload = view[offset:view.nbytes - tag_bytes]
     if payload.nbytes != header.payload_bytes:
         raise CorruptRecordError(f"record payload is {payload.nbytes} bytes, header says {header.payload_bytes}")
     if xxhash.xxh3_64_intdigest(payload) != header.checksum:
         raise CorruptRecordError("record checksum mismatch")
+    if auth_key is not None:
+        if not tag_bytes:
+            raise RecordAuthError("record written without the record key (l2_record_key), which this reader requires")
+        if not hmac.compare_digest(_tag(auth_key, view[:offset], payload), view[view.nbytes - TAG_BYTES:]):
+            raise RecordAuthError("record HMAC does not match: forged, or written with another l2_record_key")
     if key is not None and header.key != key:
         raise CorruptRecordError("record belongs to another key")
     if token_ids is not None and list(token_ids) != header.token_ids:

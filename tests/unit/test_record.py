@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvtier.errors import CorruptRecordError, InputError
+from kvtier.errors import CorruptRecordError, InputError, RecordAuthError
 from kvtier.keys import ChunkKey, namespace_of, parse_name
 from kvtier.layout import KVLayout
 from kvtier.record import decode_record, encode_record
@@ -74,3 +74,38 @@ def test_key_names_are_hex_and_namespaced():
     assert all(c in "0123456789abcdef-" for c in name)
     assert parse_name(name) == (key.scope, key.prefix_hash)
     assert ChunkKey("a/model:with weird chars", "abc", "", b"\xab" * 16).name() != name
+
+
+def test_authenticated_records_need_the_key():
+    key, payload, plain = _record()
+    record_key = b"r" * 32
+    signed = b"".join(bytes(p) for p in encode_record(key, LAYOUT, [1, 2, 3, 4], payload, auth_key=record_key))
+    header, view = decode_record(signed, key, [1, 2, 3, 4], auth_key=record_key)
+    assert header.auth == "hmac-sha256" and bytes(view) == payload.tobytes()
+    assert bytes(decode_record(signed, key)[1]) == payload.tobytes()  # no key: the checksum alone is checked
+    with pytest.raises(RecordAuthError, match="does not match"):
+        decode_record(signed, key, auth_key=b"x" * 32)
+    with pytest.raises(RecordAuthError, match="without the record key"):
+        decode_record(plain, key, auth_key=record_key)
+    # a forger who can write the store: another payload with a correct checksum, under the old tag
+    forged_payload = payload.copy()
+    forged_payload[0] += 1
+    head, _, tag = encode_record(key, LAYOUT, [1, 2, 3, 4], forged_payload, auth_key=b"forger's key")
+    forged = bytes(head) + forged_payload.tobytes() + bytes(signed[-32:])
+    with pytest.raises(RecordAuthError):
+        decode_record(forged, key, [1, 2, 3, 4], auth_key=record_key)
+
+
+def test_format_version_1_records_are_still_read():
+    key, payload, _ = _record()
+    import struct
+
+    import msgspec
+    import xxhash
+    body = msgspec.msgpack.encode([key.model, key.layout_id, key.namespace, key.prefix_hash, LAYOUT.to_dict(),
+                                   [1, 2, 3, 4], payload.nbytes, xxhash.xxh3_64_intdigest(payload), "raw"])
+    v1 = struct.pack(">4sHI", b"KVTR", 1, len(body)) + body + payload.tobytes()
+    header, view = decode_record(v1, key, [1, 2, 3, 4])
+    assert header.auth == "none" and bytes(view) == payload.tobytes()
+    with pytest.raises(RecordAuthError):
+        decode_record(v1, key, auth_key=b"k" * 32)

@@ -1,6 +1,7 @@
 """L2Tier: the adapters behind L1, in cascade order.
 
-Owns what every adapter shares: record verification (a bad record is a miss, deleted and counted),
+Owns what every adapter shares: record verification and authentication (a bad or forged record is a
+miss, deleted and counted),
 prefix semantics on reads (stop at the first missing chunk), error-to-miss conversion with
 ``kvtier_l2_errors_total``, and the bounded asynchronous write-through queue (a full queue drops
 the write and counts it; it never blocks the caller).
@@ -15,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.errors import CorruptRecordError
+from kvtier.errors import CorruptRecordError, RecordAuthError
 from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
 from kvtier.layout import KVLayout
@@ -52,15 +53,17 @@ class L2Tier:
         events: an EventEmitter (``stored``/``removed`` with medium ``STORAGE``) or None.
         queue_chunks: most chunks waiting to be written; more are dropped and counted.
         promote_to_faster: on a hit in adapter i, also write the record into adapters before i.
+        record_key: HMAC-SHA256 key records are written and checked with (``l2_record_key``), or None.
     """
 
     def __init__(self, adapters: Sequence[L2Adapter], metrics: Metrics, events=None,
-                 queue_chunks: int = 64, promote_to_faster: bool = False):
+                 queue_chunks: int = 64, promote_to_faster: bool = False, record_key: bytes | None = None):
         self.adapters = list(adapters)
         self.metrics = metrics
         self.events = events
         self.queue_chunks = queue_chunks
         self.promote_to_faster = promote_to_faster
+        self.record_key = record_key
         self._queue: deque[_WriteBatch] = deque()
         self._pending = 0  # chunks queued or being written
         self._cond = threading.Condition()
@@ -139,15 +142,17 @@ class L2Tier:
     def _verify(self, adapter: L2Adapter, index: int, key: ChunkKey, tokens: list[int], buf) -> memoryview | None:
         name = key.name()
         try:
-            _, payload = decode_record(buf, key, tokens)
+            _, payload = decode_record(buf, key, tokens, self.record_key)
         except CorruptRecordError as exc:
             log.warning("L2 adapter %s: dropping bad record %s: %s", adapter.label, name, exc)
-            self.metrics.inc("kvtier_corrupt_records_total", adapter=adapter.label)
+            forged = isinstance(exc, RecordAuthError)
+            self.metrics.inc("kvtier_l2_auth_failures_total" if forged else "kvtier_corrupt_records_total",
+                             adapter=adapter.label)
             self._call(adapter, "delete", adapter.delete, [name])
             self._removed_if_gone([name])
             return None
         if self.promote_to_faster and index > 0:
-            parts = [memoryview(buf)[: memoryview(buf).nbytes - payload.nbytes], payload]
+            parts = [memoryview(buf)]
             for faster in self.adapters[:index]:
                 self._call(faster, "put", faster.put, [(name, parts)])
         return payload
@@ -198,7 +203,7 @@ class L2Tier:
                     self._cond.notify_all()
 
     def _write_batch(self, batch: _WriteBatch) -> None:
-        records = [(item.key.name(), encode_record(item.key, item.layout, item.token_ids, item.payload))
+        records = [(item.key.name(), encode_record(item.key, item.layout, item.token_ids, item.payload, self.record_key))
                    for item in batch.items]
         stored = [False] * len(records)
         for adapter in self.adapters:

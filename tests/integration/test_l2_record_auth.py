@@ -1,0 +1,78 @@
+"""Record authentication for shared L2s (issue 9, §4): a record forged by someone who can write the store,
+with the right key and token ids, is a miss, deleted and counted, on a real local disk and a real redis-server."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import torch
+from test_server_support import CHUNK, LAYOUT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import services  # noqa: E402
+
+from kvtier.cache import KVCache  # noqa: E402
+from kvtier.config import build_config  # noqa: E402
+from kvtier.l2.base import create_adapter  # noqa: E402
+from kvtier.record import encode_record  # noqa: E402
+
+RECORD_KEY = "shared-l2-record-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def redis_service(tmp_path_factory):
+    with services.redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(params=["local_disk", "redis"])
+def l2_spec(request, tmp_path):
+    if request.param == "local_disk":
+        return {"type": "local_disk", "path": str(tmp_path / "disk")}
+    redis = request.getfixturevalue("redis_service")
+    return {"type": "redis", "url": redis.url, "prefix": f"{tmp_path.name}:"}
+
+
+def cache(spec: dict, record_key: str | None) -> KVCache:
+    return KVCache(build_config({"chunk_size": CHUNK, "l2_adapters": [spec], "l2_record_key": record_key}), "m", LAYOUT)
+
+
+def forge(spec: dict, honest: KVCache, tokens: list[int], forger_key: bytes | None) -> torch.Tensor:
+    """Overwrite the stored record of ``tokens``' first chunk as someone who can write the store would: the
+    right key and token ids, other KV, a correct checksum; signed with ``forger_key`` (not the real one)."""
+    _, refs = honest.chunk_refs(tokens)
+    fake = torch.full(LAYOUT.chunk_shape(CHUNK), 7.0)
+    with closing(create_adapter(spec)) as store:
+        name = refs[0].key.name()
+        assert store.delete([name]) == 1
+        parts = encode_record(refs[0].key, LAYOUT, tokens[:CHUNK], fake.numpy(), auth_key=forger_key)
+        assert store.put([(name, parts)]) == [True]
+    return fake
+
+
+@pytest.mark.parametrize("forger_key", [None, b"a key that is not the record key"], ids=["unsigned", "wrong-key"])
+def test_a_forged_record_is_a_miss_deleted_and_counted(l2_spec, forger_key):
+    tokens = list(range(1000, 1000 + 2 * CHUNK))
+    kv = torch.randn(LAYOUT.chunk_shape(2 * CHUNK))
+    with cache(l2_spec, RECORD_KEY) as writer:
+        assert writer.store(tokens, kv) == 2 and writer.flush(30.0)
+        fake = forge(l2_spec, writer, tokens, forger_key)
+    with cache(l2_spec, None) as unkeyed:  # without a key the forgery would be served: the finding
+        out, n = unkeyed.retrieve(tokens)
+        assert n == 2 * CHUNK and torch.equal(out[:, :, :CHUNK], fake)
+        unkeyed.clear("CPU")
+    fake = forge(l2_spec, writer, tokens, forger_key)
+    with cache(l2_spec, RECORD_KEY) as reader:
+        assert reader.lookup(tokens) == 2 * CHUNK  # present in the store, not yet verified
+        out, n = reader.retrieve(tokens)
+        assert n == 0 and out.shape[2] == 0  # the forged first chunk is a miss, so the prefix stops there
+        assert reader.metrics.value("kvtier_l2_auth_failures_total", adapter=l2_spec["type"]) == 1
+        assert reader.metrics.value("kvtier_corrupt_records_total", adapter=l2_spec["type"]) == 0
+        assert reader.lookup(tokens) == 0  # deleted
+        assert reader.store(tokens, kv) == 2 and reader.flush(30.0)
+    with cache(l2_spec, RECORD_KEY) as again:  # rewritten honestly: served with the real bytes
+        out, n = again.retrieve(tokens)
+        assert n == 2 * CHUNK and torch.equal(out, kv)
