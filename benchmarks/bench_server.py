@@ -5,7 +5,9 @@
     ``kvtier server`` subprocess (shared memory, and also frames), and with an in-process KVCache;
     rounds alternate between the paths so machine noise hits all of them. A warm-up round touches
     L1 pages first. Figures: GB/s (1 GB = 1e9 bytes) of store, retrieve and both, and the ratio
-    server / in-process of the total (target >= 0.6).
+    server / in-process of the total (target >= 0.6). The server authenticates clients (CurveZMQ, which
+    also encrypts every frame); a second server started with ``--no-auth`` serves the same two paths,
+    so the cost of authentication is the ratio auth / no-auth of each path.
 (b) Lookup round trip for an 8,192-token prompt (32 chunks, all stored): median and p99 over
     ``--lookups`` calls, for the same prompt (hashes memoised) and for fresh 8,192-token prompts
     (hashing included, a miss); the in-process lookup as baseline (target: median <= 1 ms).
@@ -55,11 +57,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, l1_gb: float):
+    def __init__(self, l1_gb: float, *extra: str):
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvtier", "server", "--port", str(self.port), "--admin-port", str(self.admin_port),
-               "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU", "--chunk-size", str(CHUNK), "--log-level", "WARNING"]
+               "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU", "--chunk-size", str(CHUNK), "--log-level", "WARNING",
+               *extra]
         self.proc = subprocess.Popen(cmd)
         import httpx
         deadline = time.monotonic() + 120
@@ -85,10 +88,12 @@ def bandwidth(args) -> dict:
     n_tok = args.chunks * CHUNK
     kv = torch.randn(LAYOUT.chunk_shape(n_tok), generator=torch.Generator().manual_seed(0))
     l1_gb = 2.5 * args.chunks * CHUNK_BYTES / 1e9
-    server = Server(l1_gb)
+    server, open_server = Server(l1_gb), Server(l1_gb, "--no-auth")
     try:
         paths = {"server-shm": Client(server.url, model=MODEL, layout=LAYOUT),
                  "server-frames": Client(server.url, model=MODEL, layout=LAYOUT, shared_memory=False),
+                 "no-auth-shm": Client(open_server.url, model=MODEL, layout=LAYOUT),
+                 "no-auth-frames": Client(open_server.url, model=MODEL, layout=LAYOUT, shared_memory=False),
                  "in-process": KVCache(build_config({"chunk_size": CHUNK, "l1_size_gb": l1_gb}), MODEL, LAYOUT)}
         times = {name: [0.0, 0.0] for name in paths}
         doc = 0
@@ -111,10 +116,14 @@ def bandwidth(args) -> dict:
                       "total_GBps": 2 * total / (s + r) / 1e9} for name, (s, r) in times.items()}
         res["ratio_shm_vs_inprocess"] = res["server-shm"]["total_GBps"] / res["in-process"]["total_GBps"]
         res["ratio_frames_vs_inprocess"] = res["server-frames"]["total_GBps"] / res["in-process"]["total_GBps"]
+        for path in ("shm", "frames"):
+            res[f"ratio_{path}_auth_vs_no_auth"] = (res[f"server-{path}"]["total_GBps"]
+                                                    / res[f"no-auth-{path}"]["total_GBps"])
         for cache in paths.values():
             cache.close()
     finally:
         server.stop()
+        open_server.stop()
     return res
 
 
@@ -293,6 +302,9 @@ def main() -> None:
               f"in-process {a['in-process']['total_GBps']:.2f} GB/s -> ratio shm/in-process "
               f"{a['ratio_shm_vs_inprocess']:.2f} (target >= 0.6), frames/in-process {a['ratio_frames_vs_inprocess']:.2f}",
               flush=True)
+        print(f"(a) authentication (CurveZMQ) vs --no-auth: shm {a['no-auth-shm']['total_GBps']:.2f} GB/s without -> "
+              f"ratio {a['ratio_shm_auth_vs_no_auth']:.2f}; frames {a['no-auth-frames']['total_GBps']:.2f} GB/s "
+              f"without -> ratio {a['ratio_frames_auth_vs_no_auth']:.2f}", flush=True)
     if "b" in parts:
         results["b_lookup"] = b = lookup_latency(args)
         for label, r in b.items():

@@ -87,7 +87,7 @@ class Tiers:
     """What one process shares between caches: L1, the L2 cascade, metrics and the event emitter."""
 
     def __init__(self, config: KVTierConfig, *, metrics: Metrics | None = None, shm_name: str | None = None,
-                 publish_events: bool = True):
+                 publish_events: bool = True, auth=None):
         if config.l1_size_bytes <= 0:
             raise KVTierError("l1_size_gb must be > 0: L1 is where every chunk lands first; set e.g. l1_size_gb: 1")
         self.config = config
@@ -96,7 +96,8 @@ class Tiers:
         if config.enable_kv_events:
             from kvtier.events import EventEmitter, EventPublisher
 
-            publisher = EventPublisher(config.kv_events, metrics=self.metrics) if publish_events else None
+            # auth: the server's KeyRing, so the replay port accepts only its clients' keys
+            publisher = EventPublisher(config.kv_events, metrics=self.metrics, auth=auth) if publish_events else None
             self.events = EventEmitter(config, publisher=publisher)
         adapters = [create_adapter(spec) for spec in config.l2_adapters]
         self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name)

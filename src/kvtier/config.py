@@ -117,6 +117,7 @@ class KVEventsConfig(_Section):
     batch_max_events: int = Field(1_000, gt=0)
     batch_max_delay_ms: float = Field(10.0, ge=0)
     data_parallel_rank: int = Field(0, ge=0)
+    replay_auth: Bool = True  # with server.auth: replay consumers need the secret (CurveZMQ); false: vLLM-compatible
 
 
 class ServerConfig(_Section):
@@ -127,6 +128,9 @@ class ServerConfig(_Section):
     admin_host: str = "127.0.0.1"
     admin_port: int = Field(8080, ge=0, le=65535)
     admin_token: pydantic.SecretStr | None = None
+    allow_unauthenticated_admin: Bool = False  # with no admin_token: accept mutations (clear) from anyone who connects
+    auth: Bool = True  # clients prove they hold the secret (CurveZMQ); false only on a trusted network
+    auth_secret_file: str | None = None  # default: $XDG_RUNTIME_DIR/kvtier/server-<port>.secret
     shared_memory: Bool = True  # same-host clients copy KV through shared memory
     lease_seconds: float = Field(30.0, gt=0)  # pins held for a client expire after this
     max_message_bytes: int = Field(1 << 30, gt=0)
@@ -194,7 +198,7 @@ def _from_lmcache(data: dict) -> dict:
 
 
 # KVTIER_* variables that are not configuration keys (tooling, tests, the model cache).
-NON_CONFIG_ENV = {"KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN", "KVTIER_MODEL_CACHE", "KVTIER_SERVICES_DIR",
+NON_CONFIG_ENV = {"KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN", "KVTIER_AUTH_SECRET_FILE", "KVTIER_MODEL_CACHE", "KVTIER_SERVICES_DIR",
                   "KVTIER_AZURITE_BLOB", "KVTIER_VENV", "KVTIER_PYTHON", "KVTIER_FUZZ_MESSAGES"}
 
 
@@ -210,6 +214,8 @@ def _env_overrides(environ: dict[str, str]) -> dict:
         node[path[-1]] = yaml.safe_load(value) if value.strip().startswith(("[", "{")) else value
     if environ.get("KVTIER_ADMIN_TOKEN"):
         out.setdefault("server", {})["admin_token"] = environ["KVTIER_ADMIN_TOKEN"]
+    if environ.get("KVTIER_AUTH_SECRET_FILE"):  # the same variable clients read
+        out.setdefault("server", {})["auth_secret_file"] = environ["KVTIER_AUTH_SECRET_FILE"]
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -123,8 +124,9 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def own_server(chunk_size: int | None, l1_size_gb: str, disk_path: str, log, timeout_seconds: float = 120.0):
     """Run ``kvtier server`` on free 127.0.0.1 ports for the demo (L1 in shared memory, local disk L2 at
-    ``disk_path``); yields its URL once its admin ``/healthz`` answers; stops it (SIGTERM, then SIGKILL)."""
-    port, admin_port = _free_port(), _free_port()
+    ``disk_path``); yields (its URL, its admin token) once its admin ``/healthz`` answers; stops it (SIGTERM,
+    then SIGKILL)."""
+    port, admin_port, token = _free_port(), _free_port(), secrets.token_hex(16)
     cmd = [sys.executable, "-m", "kvtier", "server", "--host", "127.0.0.1", "--port", str(port),
            "--admin-port", str(admin_port), "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU",
            "--chunk-size", str(chunk_size or 256), "--log-level", "WARNING",
@@ -132,7 +134,8 @@ def own_server(chunk_size: int | None, l1_size_gb: str, disk_path: str, log, tim
     url = f"tcp://127.0.0.1:{port}"
     log(f"starting a kvtier server at {url}")
     with tempfile.TemporaryFile("w+") as errors:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors, env=_cache_environ())
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors,
+                                env={**_cache_environ(), "KVTIER_ADMIN_TOKEN": token})
         try:
             deadline = time.monotonic() + timeout_seconds
             while not _healthy(f"http://127.0.0.1:{admin_port}/healthz"):
@@ -141,7 +144,7 @@ def own_server(chunk_size: int | None, l1_size_gb: str, disk_path: str, log, tim
                     tail = "\n".join(errors.read().strip().splitlines()[-10:])
                     raise KVTierError(f"the demo's kvtier server did not start (exit {proc.poll()}):\n{tail}")
                 time.sleep(0.2)
-            yield url
+            yield url, token
         finally:
             proc.terminate()
             try:
@@ -238,16 +241,16 @@ def run_demo(opts: dict, log=lambda msg: None) -> dict:
         if disk_path is None and mode in ("auto", "off"):
             disk_path = tempfile.mkdtemp(prefix="kvtier-demo-")
             stack.callback(shutil.rmtree, disk_path, ignore_errors=True)
-        server_url = None if mode == "off" else mode
+        server_url, admin_token = (None if mode == "off" else mode), None
         if mode == "auto":
-            server_url = stack.enter_context(own_server(opts["chunk_size"], opts["l1_size_gb"], disk_path, log))
+            server_url, admin_token = stack.enter_context(own_server(opts["chunk_size"], opts["l1_size_gb"], disk_path, log))
         model, tokenizer = load_smollm2(progress=opts.get("progress", True))
         _warm_up(model, opts.get("threads"))
         document = read_document(tokenizer, document_path, opts["max_document_tokens"])
         cache = open_cache(model, server=server_url, chunk_size=opts["chunk_size"], l1_size_gb=opts["l1_size_gb"],
                            disk_path=disk_path, events=opts.get("events", False))
         stack.callback(cache.close)
-        cache.clear()
+        cache.clear(**({"admin_token": admin_token} if admin_token else {}))  # another server: $KVTIER_ADMIN_TOKEN
         connector = HFConnector(model, cache)
         questions = [QUESTIONS[0], QUESTIONS[0], *QUESTIONS[1:]]
         rounds = []

@@ -70,3 +70,13 @@ def parse_name(name: str) -> tuple[str, bytes]:
     if len(scope) != 16 or not digest:
         raise ValueError(f"not a chunk name: {name!r}")
     return scope, bytes.fromhex(digest)
+
+
+def tenant_namespace(tenant: str, namespace: str) -> str:
+    """The namespace a tenant-scoped client's ``namespace`` maps to: ``tenant:<tenant>/<namespace>``.
+
+    Injective in (tenant, namespace) because tenant names contain no ``/`` (``kvtier.auth``), and never
+    equal to a namespace of ``namespace_of``, which never starts with ``tenant:``. So a tenant naming
+    another tenant's namespace reaches a namespace of its own, never the other's chunks.
+    """
+    return f"tenant:{tenant}/{namespace}"

@@ -7,8 +7,15 @@ used. Every request has an ``id`` (int) and gets exactly one reply with the same
 type, ``Ok``, or ``Error(code, message)``. A header that cannot be decoded at all is answered with
 ``Error(id=-1, code="malformed")``.
 
+Transport: ZMTP 3 with the CURVE mechanism (CurveZMQ, RFC 26) unless the server runs with ``--no-auth``:
+the client pins the server's public key and presents a client key derived from its secret file
+(``kvtier.auth``); the server's ZAP handler (``kvtier.zap``) accepts only known keys, names the tenant
+(``User-Id``) and assigns the connection's routing id. No message below flows before that handshake.
+
 Exchanges:
-  * ``Hello`` -> ``HelloReply`` (chunk and block size, hash algorithm and seed, data plane, lease) or ``Error``.
+  * ``Hello`` -> ``HelloReply`` (chunk and block size, hash algorithm and seed, data plane, lease, tenant) or
+    ``Error``. A tenant's session gets no shared memory, and every namespace it names is mixed with its
+    tenant (``keys.tenant_namespace``).
   * ``Lookup`` -> ``LookupReply(num_tokens)``.
   ``Lookup``, ``StoreBegin`` and ``RetrieveBegin`` carry the prompt's ``tokens`` and, optionally, its per-block
   ``extra_keys`` (one entry per block of ``block_size`` tokens, a trailing partial block included: null or an
@@ -19,8 +26,11 @@ Exchanges:
   * ``RetrieveBegin(shm=True)`` -> ``RetrieveSlots`` (pinned arena slots) -> client copies ->
     ``RetrieveEnd`` -> ``Ok`` (the copy is valid) or ``Error(lease_expired)`` (discard it).
   * ``RetrieveBegin(shm=False)`` -> ``RetrieveData`` + one frame per chunk.
-  * ``Clear`` -> ``ClearReply``; ``Flush`` -> ``FlushReply`` (deferred until L2 writes are done or the
-    timeout); ``Ping`` -> ``Ok``; ``Stats`` -> ``StatsReply``; ``Bye`` -> ``Ok``.
+  * ``Clear(admin_token)`` -> ``ClearReply``, or ``Error(unauthorized)`` unless the token matches the
+    server's admin token (with none configured: unless ``allow_unauthenticated_admin``).
+  * ``Flush`` -> ``FlushReply`` (deferred until L2 writes are done or the timeout; the client compares
+    ``HelloReply.server_id`` to tell a restarted server); ``Ping`` -> ``Ok``; ``Stats`` -> ``StatsReply``;
+    ``Bye`` -> ``Ok``.
 No pickle: only msgpack and raw bytes cross the socket.
 """
 
@@ -34,7 +44,7 @@ import numpy as np
 from kvtier.errors import InputError
 from kvtier.hashing import as_token_array
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant
 MAX_HEADER_BYTES = 64 << 20  # a header holds token ids, never KV; 64 MiB is ~8M tokens
 MAX_TOKENS = 8 << 20
 
@@ -107,6 +117,7 @@ class Clear(_Msg, tag="clear"):
     """Drop chunks of every cache: all tiers (``medium`` None), only L1 (``"CPU"``) or only L2 (``"STORAGE"``)."""
 
     medium: str | None = None
+    admin_token: str | None = None
 
 
 class Flush(_Msg, tag="flush"):
@@ -151,6 +162,7 @@ class HelloReply(_Msg, tag="hello_reply"):
     shm_name: str | None = None
     shm_capacity_bytes: int = 0
     block_size: int = 0  # tokens per hashed block (the engine's block size); 0 from servers before it existed
+    tenant: str | None = None  # the tenant this connection authenticated as; None: full access
 
 
 class LookupReply(_Msg, tag="lookup_reply"):
@@ -203,7 +215,7 @@ class Error(msgspec.Struct, tag="error", tag_field="t", omit_defaults=True):
 
 ERROR_CODES = ("malformed", "bad_request", "version_mismatch", "layout_mismatch", "config_mismatch",
                "no_session", "unknown_ticket", "lease_expired", "too_large", "bad_payload", "internal",
-               "shutting_down")
+               "shutting_down", "unauthorized")
 
 Reply = (HelloReply | LookupReply | StoreSlots | StoreDone | RetrieveSlots | RetrieveData | ClearReply
          | FlushReply | StatsReply | Ok | Error)

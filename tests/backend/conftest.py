@@ -20,13 +20,14 @@ from kvtier.client import Client
 from kvtier.config import build_config
 
 BACKENDS = ["in_process", "server_shm", "server_frames"]
+ADMIN_TOKEN = "backend-contract-admin"  # clear is a mutation: the server requires its admin token
 
 
 @pytest.fixture(scope="module")
 def kvtier_server(tmp_path_factory):
     work = tmp_path_factory.mktemp("backend-server")
     disk = {"type": "local_disk", "path": str(work / "l2")}
-    with ServerProc(work, extra=("--l2-adapter", json.dumps(disk))) as server:
+    with ServerProc(work, token=ADMIN_TOKEN, extra=("--l2-adapter", json.dumps(disk))) as server:
         yield server
     assert server.proc.returncode == 0, server.log()
 
@@ -43,6 +44,6 @@ def backend(request, tmp_path):
         cache = Client(server.url, model="m", layout=LAYOUT, shared_memory=request.param == "server_shm")
         assert cache.info is not None, server.log()
         assert cache.uses_shared_memory == (request.param == "server_shm")
-        cache.clear()  # the server outlives the test: start from an empty cache
+        cache.clear(admin_token=ADMIN_TOKEN)  # the server outlives the test: start from an empty cache
     yield cache
     cache.close()

@@ -119,7 +119,8 @@ def test_router_credits_host_and_disk_of_the_worker_whose_kvtier_holds_the_prefi
 def test_after_clearing_l1_only_the_disk_tier_stays_credited(deployment):
     a, n_blocks = deployment["a"], len(PROMPT) // BLOCK
     before = deployment["probe"].query(PROMPT)["best"]
-    reply = httpx.post(f"{deployment['admin']}/clear", params={"medium": "CPU"}, timeout=10)
+    reply = httpx.post(f"{deployment['admin']}/clear", json={"medium": "CPU"}, headers=deployment["admin_headers"],
+                       timeout=10)
     assert reply.status_code == 200 and reply.json()["num_l1_chunks"] == 2, reply.text
     answer = until(deployment["probe"], PROMPT, lambda r: r["workers"][a]["host"] == 0,
                    "the removal of worker A's host-tier blocks")

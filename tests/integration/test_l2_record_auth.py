@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_server_support import CHUNK, LAYOUT
+from support.server import CHUNK, LAYOUT
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import services  # noqa: E402

@@ -33,6 +33,8 @@ url, mode, layout, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), j
 from kvtier.layout import KVLayout
 lay = KVLayout.from_dict(layout)
 sock = zmq.Context().socket(zmq.DEALER)
+from kvtier.auth import apply_client, client_credentials
+apply_client(sock, client_credentials(url)[0])
 sock.connect(url)
 def ask(msg):
     sock.send(P.encode(msg))

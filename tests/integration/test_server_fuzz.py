@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from support.server import CHUNK, LAYOUT, ServerProc
+from support.server import CHUNK, LAYOUT, ServerProc, authenticated
 
 from kvtier import protocol as P
 from kvtier.client import Client
@@ -78,7 +78,7 @@ def test_server_survives_random_and_malformed_messages(tmp_path):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(server.url)
+        authenticated(sock, server.url).connect(server.url)
         sock.send(P.encode(P.Hello(id=0, version=P.PROTOCOL_VERSION, model="m", layout=LAYOUT.to_dict(),
                                    layout_id=LAYOUT.layout_id, host_id="elsewhere")))
         assert sock.poll(30_000) and isinstance(P.decode_reply(sock.recv()), P.HelloReply)
@@ -123,7 +123,7 @@ def test_oversized_header_is_refused_not_decoded(tmp_path):
     with ServerProc(tmp_path) as server:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
-        sock.connect(server.url)
+        authenticated(sock, server.url).connect(server.url)
         sock.send(b"\x90" * (P.MAX_HEADER_BYTES + 1))
         assert sock.poll(60_000)
         reply = P.decode_reply(sock.recv())

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import zmq
-from support.server import CHUNK, LAYOUT, ServerProc
+from support.server import CHUNK, LAYOUT, ServerProc, authenticated
 
 from kvtier.identity import block_extra_keys, model_identity
 from kvtier.keys import namespace_of
@@ -22,7 +22,9 @@ from kvtier.client.dataplane import host_id
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("identity")
-    with ServerProc(path, extra=("--l2-adapter", json.dumps({"type": "local_disk", "path": str(path / "l2")}))) as srv:
+    # the tests clear L1 (a mutation): this test server allows it without an admin token
+    extra = ("--allow-unauthenticated-admin", "--l2-adapter", json.dumps({"type": "local_disk", "path": str(path / "l2")}))
+    with ServerProc(path, extra=extra) as srv:
         yield srv
 
 
@@ -70,7 +72,7 @@ def ask(url: str, *msgs):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(url)
+    authenticated(sock, url).connect(url)
     try:
         replies = []
         for msg in msgs:

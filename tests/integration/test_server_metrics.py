@@ -126,10 +126,10 @@ def test_admin_endpoints_and_token_protected_clear(server):
             body = httpx.get(server.admin + path).text
             assert TOKEN not in body and "PATH" not in body and "HOME" not in body
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
-            refused = httpx.post(server.admin + "/clear", headers=headers)
+            refused = httpx.post(server.admin + "/clear", headers={**headers, "X-KVTier-Admin": "1"})
             assert refused.status_code == 401
             assert client.lookup(tokens) == 2 * CHUNK  # nothing cleared
-        cleared = httpx.post(server.admin + "/clear", headers={"Authorization": f"Bearer {TOKEN}"})
+        cleared = httpx.post(server.admin + "/clear", headers={"Authorization": f"Bearer {TOKEN}", "X-KVTier-Admin": "1"})
         assert cleared.status_code == 200 and cleared.json()["num_l1_chunks"] == 2
         assert client.lookup(tokens) == 0
         assert httpx.get(server.admin + "/clear").status_code == 405
@@ -165,7 +165,7 @@ def test_healthz_is_503_with_the_reason_once_stopping():
     server = KVTierServer(config)
     telemetry = Telemetry(server.metrics)
     try:
-        http = TestClient(build_app(server, telemetry, token=None))
+        http = TestClient(build_app(server, telemetry))
         assert http.get("/healthz").status_code == 200
         server.stop()
         down = http.get("/healthz")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
-from support.server import CHUNK, LAYOUT, ServerProc
+from support.server import CHUNK, LAYOUT, ServerProc, authenticated
 
 from kvtier import protocol as P
 from kvtier.client import Client
@@ -27,7 +27,7 @@ class Raw:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(url)
+        authenticated(self.sock, url).connect(url)
 
     def ask(self, msg, *frames):
         self.sock.send_multipart([P.encode(msg) if isinstance(msg, msgspec.Struct) else msg, *frames])

@@ -88,7 +88,9 @@ def test_flush_and_clear_by_medium(tmp_path):
     disk = tmp_path / "disk"
     # 300 ms per L2 batch: the flush below is answered later, by the request loop, not at once
     slow = {"type": "faulty", "inner": {"type": "local_disk", "path": str(disk)}, "latency_ms": 300, "ops": ["put"]}
-    with ServerProc(tmp_path, config={"l2_adapters": [slow]}) as server, \
+    # clear is a mutation: with no admin token it must be allowed explicitly
+    config = {"l2_adapters": [slow], "server": {"allow_unauthenticated_admin": True}}
+    with ServerProc(tmp_path, config=config) as server, \
             Client(server.url, model="fl", layout=LAYOUT) as client:
         others = [list(range(s, s + CHUNK)) for s in (10_000, 20_000, 30_000)]
         for other in others:

@@ -112,7 +112,8 @@ def start_kvtier_server(work: Path, chunk_size: int, block_size: int) -> tuple[s
     """A running ``kvtier server`` hashing per ``block_size`` tokens (the engines' block size) and publishing KV
     events for those blocks, with a local-disk L2.
 
-    Returns the process and its addresses: ``url`` (requests), ``admin`` (HTTP), ``events`` (the PUB socket).
+    Returns the process and its addresses: ``url`` (requests), ``admin`` (HTTP), ``events`` (the PUB socket),
+    and ``admin_headers`` (the admin token, which ``POST /clear`` needs).
     """
     port, admin, events = services.free_port(), services.free_port(), services.free_port()
     l2 = work / "kvtier-l2"
@@ -121,9 +122,10 @@ def start_kvtier_server(work: Path, chunk_size: int, block_size: int) -> tuple[s
             "--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
             "--block-size", str(block_size),
             "--l2-adapter", json.dumps({"type": "local_disk", "path": str(l2)})]
-    proc = services.Proc("kvtier-server", argv, work / "kvtier-server.log").start()
+    token = "dynamo-test-admin-token"
+    proc = services.Proc("kvtier-server", argv, work / "kvtier-server.log", env={"KVTIER_ADMIN_TOKEN": token}).start()
     addresses = {"url": f"tcp://127.0.0.1:{port}", "admin": f"http://127.0.0.1:{admin}",
-                 "events": f"tcp://127.0.0.1:{events}"}
+                 "events": f"tcp://127.0.0.1:{events}", "admin_headers": {"Authorization": f"Bearer {token}"}}
     proc.wait_ready(lambda: httpx.get(f"{addresses['admin']}/healthz", timeout=1).status_code == 200)
     return proc, addresses
 

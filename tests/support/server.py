@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from kvtier.auth import apply_client, client_credentials
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # 128 bytes per token
@@ -124,3 +125,11 @@ def metric_value(text: str, name: str, **labels) -> float | None:
         if found == {k: str(v) for k, v in labels.items()}:
             return float(value)
     return None
+
+
+def authenticated(sock, url: str):
+    """``sock`` (a raw DEALER, before ``connect``) with the CurveZMQ keys of the same-user server at ``url``."""
+    creds, path, problem = client_credentials(url)
+    assert creds is not None, problem or f"no secret file at {path}"
+    apply_client(sock, creds)
+    return sock

@@ -11,7 +11,12 @@ Resilience rules (the engine must never hang or crash because of the cache):
     up by itself: the next call gets ``no_session``, the client says ``Hello`` again and retries once.
   * Only caller mistakes raise (InputError: bad tokens, KV of the wrong shape or dtype), as in KVCache
     (``extra_keys`` are checked by the server: bad ones are answered ``bad_request``, logged, and a miss);
-    a handshake refusal (version, layout or config mismatch) raises ProtocolError from the constructor.
+    a handshake refusal (version, layout or config mismatch) raises ProtocolError from the constructor,
+    and so does ``clear`` without the admin token.
+  * Authentication (``kvtier.auth``): the secret file is ``secret_file``, ``$KVTIER_AUTH_SECRET_FILE`` or the
+    default for the URL's port, re-read on every (re)connect. A failed CurveZMQ handshake (no secret, a
+    wrong one, a server without authentication) is logged once as an error saying what to do; calls are
+    misses meanwhile.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvtier import protocol as P
 from kvtier.backend import Fill, Retrieved
 from kvtier.client import dataplane as D
+from kvtier.client.auth import FAILED_EVENTS, ClientAuth
 from kvtier.errors import InputError, ProtocolError
 from kvtier.hashing import as_token_array
 from kvtier.layout import KVLayout
@@ -59,6 +65,8 @@ class Client:
         prefault: map the whole shared L1 when attaching it (``dataplane.prefault``): a one-time cost at
             startup (about 0.5 s per GiB here) that takes page faults out of every later store and retrieve.
             For a process that copies KV (an engine worker), not one that only looks up.
+        secret_file: the server's secret file, or a tenant credential file (``kvtier.auth``); default
+            ``$KVTIER_AUTH_SECRET_FILE``, else the file a same-user server on this host keeps for the URL's port.
 
     Raises:
         ProtocolError: the server refused the handshake (the message says what differs).
@@ -66,7 +74,8 @@ class Client:
 
     def __init__(self, url: str, *, model: str, layout: KVLayout | dict, namespace: str = "",
                  timeout_seconds: float = 10.0, shared_memory: bool = True, expect: dict | None = None,
-                 retry_after_seconds: float = 1.0, metrics: Metrics | None = None, prefault: bool = False):
+                 retry_after_seconds: float = 1.0, metrics: Metrics | None = None, prefault: bool = False,
+                 secret_file: str | os.PathLike | None = None):
         self.url = url
         self.model = model
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout)
@@ -77,6 +86,8 @@ class Client:
         self.retry_after_seconds = retry_after_seconds
         self.metrics = metrics or Metrics()
         self.prefault = prefault
+        self.auth = ClientAuth(url, secret_file)
+        self._unflushed: set[str] = set()  # server_ids that acknowledged stores since the last good flush
         self.info: P.HelloReply | None = None  # the server's answer to the last handshake
         self._arena = None
         self._ids = itertools.count(1)
@@ -98,15 +109,16 @@ class Client:
             if not answered:
                 self._mark_down("no answer to the handshake")
             elif not self._linked:
-                self._mark_down(f"cannot reach {url}", backoff=False)
+                self._mark_down(self.auth.problem or f"cannot reach {url}", backoff=bool(self.auth.problem))
 
     # ---- connection ----------------------------------------------------------------------------
     def _open_socket(self) -> None:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self.auth.prepare(self._sock)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._monitor = self._sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS | FAILED_EVENTS)
         self._linked = False
         self._sock.connect(self.url)
 
@@ -121,17 +133,20 @@ class Client:
     def _drain_monitor(self, wait_seconds: float = 0.0) -> None:
         """Apply queued connection events to ``_linked`` (waiting up to ``wait_seconds`` for the first)."""
         while self._monitor.poll(int(wait_seconds * 1000)):
-            event = recv_monitor_message(self._monitor)["event"]
+            message = recv_monitor_message(self._monitor)
+            event = message["event"]
             if event & _UP_EVENTS:
                 self._linked = True
             elif event & _DOWN_EVENTS:
                 self._linked = False
+            elif event & FAILED_EVENTS:
+                self.auth.failed(event, message["value"])
             wait_seconds = 0.0
 
     def _wait_linked(self, timeout_seconds: float) -> None:
         deadline = time.monotonic() + timeout_seconds
         self._drain_monitor()
-        while not self._linked and time.monotonic() < deadline:
+        while not self._linked and not self.auth.problem and time.monotonic() < deadline:
             self._drain_monitor(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _mark_down(self, why: str, backoff: bool = True) -> None:
@@ -218,11 +233,14 @@ class Client:
                 if reply is None:
                     return self._miss()
                 if isinstance(reply, P.Error):
+                    if reply.code == "unauthorized":
+                        raise ProtocolError(f"kvtier server {self.url} refused {type(msg).__name__}: {reply.message}")
                     if reply.code != "lease_expired":
                         log.warning("kvtier server answered %s to %s: %s", reply.code, type(msg).__name__, reply.message)
                     return None, []
                 return reply, payload
-            self._mark_down("not connected", backoff=False)
+            # after a failed handshake: a fresh socket later, with the secret file read again
+            self._mark_down(self.auth.problem or "not connected", backoff=bool(self.auth.problem))
         return self._miss()
 
     def _miss(self) -> tuple[None, list]:
@@ -280,6 +298,8 @@ class Client:
             finally:  # commit, or abort on a failure of ``fill``: never leave the reservation to expire
                 done, _ = self._call(P.StoreCommit(id=next(self._ids), ticket=reply.ticket, ok=ok),
                                      frames if ok else [], retry=False)
+        if isinstance(done, P.StoreDone) and done.num_stored:
+            self._unflushed.add(self.info.server_id)
         return done.num_stored if isinstance(done, P.StoreDone) else 0
 
     def _fill_slots(self, slots, fill: Fill, got_at: float) -> tuple[bool, list]:
@@ -351,25 +371,34 @@ class Client:
             out.append((slot.chunk_index * chunk_size, view))
         return out
 
-    def clear(self, medium: str | None = None) -> int:
+    def clear(self, medium: str | None = None, admin_token: str | None = None) -> int:
         """Drop every chunk the server holds, of every cache: all tiers, or only ``"CPU"`` (L1) or ``"STORAGE"``
-        (L2). Returns the L1 chunks dropped (0 if unavailable). Raises InputError for another medium."""
+        (L2). ``admin_token``: the server's admin token (default ``$KVTIER_ADMIN_TOKEN``). Returns the L1 chunks
+        dropped (0 if unavailable). Raises InputError for another medium, ProtocolError when the server refuses
+        (wrong or missing admin token; with none configured, unless the server allows unauthenticated admin)."""
         if medium not in (None, "CPU", "STORAGE"):
             raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
+        token = admin_token if admin_token is not None else os.environ.get("KVTIER_ADMIN_TOKEN")
         with self._lock:
-            reply, _ = self._call(P.Clear(id=next(self._ids), medium=medium))
+            reply, _ = self._call(P.Clear(id=next(self._ids), medium=medium, admin_token=token))
         return reply.num_chunks if isinstance(reply, P.ClearReply) else 0
 
     def flush(self, timeout_seconds: float = 30.0) -> bool:
-        """Wait (at most ``timeout_seconds``) until the server's queued L2 writes are done. False on timeout or
-        when the server is unavailable."""
+        """Wait (at most ``timeout_seconds``) until the server's queued L2 writes are done. True only when every
+        store this client saw acknowledged since the last True is durable in the same server incarnation:
+        False on timeout, when the server is unavailable, and once after the server restarted (a new
+        ``server_id``: writes acknowledged by the old one may be lost)."""
         with self._lock:
             saved, self.timeout_seconds = self.timeout_seconds, max(self.timeout_seconds, timeout_seconds + 5.0)
             try:
                 reply, _ = self._call(P.Flush(id=next(self._ids), timeout_seconds=timeout_seconds))
             finally:
                 self.timeout_seconds = saved
-        return isinstance(reply, P.FlushReply) and reply.done
+            if not (isinstance(reply, P.FlushReply) and reply.done):
+                return False
+            same_server = self._unflushed <= {self.info.server_id}
+            self._unflushed.clear()  # a loss is reported once
+            return same_server
 
     def take_events(self) -> list:
         """KV cache events for the engine to publish: always [] today, the server publishes its own events

@@ -172,6 +172,7 @@ class KVTierConnector(KVConnectorBase_V1):
             # kvtier_client_unavailable_total metric) and picks the server up when it appears
             client = Client(url, model=self.model_id, layout=self.layout, expect=expect, metrics=self.metrics,
                             timeout_seconds=self.settings.get("kvtier.timeout_s", 5.0),
+                            secret_file=self.settings.get("kvtier.auth_secret_file"),
                             prefault=self._role == KVConnectorRole.WORKER)  # only the worker copies KV
         except ProtocolError as exc:
             raise ConfigError(f"{exc} (kv_connector_extra_config: {self.settings})") from None

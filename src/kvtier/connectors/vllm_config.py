@@ -17,6 +17,7 @@ SETTINGS = {
     "kvtier.use_layerwise": parse_bool,  # load and save layer by layer inside the forward pass
     "kvtier.model": str,                 # model id in kvtier keys (default: the weights' identity; change it with them)
     "kvtier.timeout_s": float,           # server only: longest wait for one reply (also the startup wait)
+    "kvtier.auth_secret_file": str,      # server only: the secret file (default: the same-user server's for the URL)
     "kvtier.l1_size_gb": parse_size,     # in-process cache only: L1 budget
     "kvtier.local_disk": str,            # in-process cache only: folder of the local_disk L2 (required there)
     "kvtier.hash_algorithm": str,        # in-process cache only (default: vLLM's prefix_caching_hash_algo)

@@ -63,7 +63,9 @@ def events() -> None:
               help="exit after S seconds without a batch")
 @click.option("--from-seq", type=click.IntRange(min=0), default=None,
               help="first replay every buffered batch from this seq (needs --replay-endpoint)")
-def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_s, from_seq) -> None:
+@click.option("--auth-secret-file", default=None, envvar="KVTIER_AUTH_SECRET_FILE",
+              help="the kvtier server's secret file, for a replay port that requires authentication")
+def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_s, from_seq, auth_secret_file) -> None:
     """Print event batches as they arrive; missed batches are replayed, lost ones reported on stderr."""
     from kvtier.events.subscriber import Subscriber
 
@@ -71,7 +73,8 @@ def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_s,
         click.echo(f"! missed batches {gap.first_missing}..{gap.last_missing}: {gap.reason}", err=True)
 
     count = 0
-    with Subscriber(endpoint, replay_endpoint, topic, start_seq=from_seq, on_gap=on_gap) as sub:
+    with Subscriber(endpoint, replay_endpoint, topic, start_seq=from_seq, on_gap=on_gap,
+                    secret_file=auth_secret_file) as sub:
         try:
             for seq, batch in sub.iter(timeout_s):
                 click.echo(batch_json(seq, batch) if as_json else format_batch(batch))

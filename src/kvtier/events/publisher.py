@@ -3,7 +3,10 @@
 Wire (reference events-and-hashing.md §1.1): PUB frames ``[topic, seq (8-byte big-endian, 0, 1, 2, ...),
 msgpack EventBatch]``. Replay: a ROUTER on ``replay_endpoint`` answers ``[identity, b"", start_seq (8 bytes)]``
 with ``[identity, b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``, then the end
-marker ``[identity, b"", b"", 0xFF*8, b""]`` (vLLM >= 0.26 layout).
+marker ``[identity, b"", b"", 0xFF*8, b""]`` (vLLM >= 0.26 layout). The replay ROUTER is guarded
+(``kvtier.zap``): a ZAP handler assigns every consumer's routing id, so no consumer can choose one that
+aborts the process; inside a server with authentication and ``replay_auth`` it also requires the
+server's CurveZMQ keys (a consumer then needs the secret file, ``kvtier events subscribe --auth-secret-file``).
 
 Bind or connect: like vLLM, the PUB socket binds when the endpoint contains ``*`` or ``::`` or starts with
 ``ipc://`` / ``inproc://``; kvtier also binds a tcp endpoint on ``127.0.0.1``, ``localhost`` or ``0.0.0.0``
@@ -30,6 +33,7 @@ import zmq
 
 from kvtier.errors import KVTierError
 from kvtier.events.model import Encoder, Event, EventBatch
+from kvtier.zap import guarded_router
 
 log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8
@@ -42,8 +46,8 @@ def should_bind(endpoint: str) -> bool:
             or bool(_LOCAL_TCP.match(endpoint)))
 
 
-def _open(ctx, kind: int, endpoint: str, bind: bool, what: str, sndhwm: int) -> zmq.Socket:
-    sock = ctx.socket(kind)
+def _open(ctx, kind: int | zmq.Socket, endpoint: str, bind: bool, what: str, sndhwm: int) -> zmq.Socket:
+    sock = kind if isinstance(kind, zmq.Socket) else ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, sndhwm)  # before bind/connect: ZMQ applies it to later connections only
     try:
         if bind:
@@ -69,6 +73,7 @@ class EventPublisher:
         metrics: optional ``kvtier.metrics.Metrics`` for ``kvtier_events_dropped_total`` and
             ``kvtier_events_published_total``.
         bind: override the bind/connect guess for the PUB endpoint.
+        auth: the server's ``kvtier.auth.KeyRing``: with ``replay_auth`` the replay port accepts only its keys.
 
     Raises:
         KVTierError: an endpoint cannot be bound (already in use) or is malformed.
@@ -77,7 +82,7 @@ class EventPublisher:
     Attributes ``endpoint`` / ``replay_endpoint`` hold the bound addresses (a ``:0`` port resolved).
     """
 
-    def __init__(self, kv_events_config, *, metrics=None, bind: bool | None = None) -> None:
+    def __init__(self, kv_events_config, *, metrics=None, bind: bool | None = None, auth=None) -> None:
         cfg = kv_events_config
         self.topic = cfg.topic.encode()
         self.metrics = metrics
@@ -102,6 +107,7 @@ class EventPublisher:
         self._stop = False
 
         self._ctx = zmq.Context()
+        self._zap = None
         try:
             self._pub = _open(self._ctx, zmq.PUB, cfg.endpoint, self._bind, "publisher", cfg.hwm)
             self._pub.setsockopt(zmq.LINGER, 1000)
@@ -109,10 +115,14 @@ class EventPublisher:
             self._router = None
             self.replay_endpoint = None
             if cfg.replay_endpoint:
-                self._router = _open(self._ctx, zmq.ROUTER, cfg.replay_endpoint, True, "replay socket",
+                keyring = auth if getattr(cfg, "replay_auth", False) else None
+                self._router, self._zap = guarded_router(self._ctx, keyring, self._refused)
+                self._router = _open(self._ctx, self._router, cfg.replay_endpoint, True, "replay socket",
                                      2 * (cfg.buffer_steps + 1))
                 self.replay_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         except BaseException:
+            if self._zap is not None:
+                self._zap.close()
             self._ctx.destroy(linger=0)
             raise
         # the sockets move to the thread here and are used only there from now on
@@ -152,8 +162,14 @@ class EventPublisher:
             return
         self._stop = True
         self._thread.join(timeout_s)
+        if self._zap is not None:
+            self._zap.close()
         if not self._thread.is_alive():  # the thread closed its sockets; term waits for PUB's linger
             self._ctx.term()
+
+    def _refused(self, mechanism: str, address: str) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("kvtier_auth_refused_total", socket="replay")
 
     def __enter__(self):
         return self

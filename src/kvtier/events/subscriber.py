@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from kvtier.auth import apply_client, read_credentials
 from kvtier.errors import KVTierError
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, EventBatch, decode_batch
 from kvtier.events.publisher import END_SEQ
@@ -70,6 +71,8 @@ class Subscriber:
         on_gap: called with each ``Gap``; default logs a warning.
         replay_timeout_s: how long one replay request may take before its range is reported as a gap.
         raw_hashes: keep hashes as sent instead of normalising to uint64 ints.
+        secret_file: the kvtier server's secret file (or a tenant credential file), for a replay port that
+            requires authentication (``kv_events.replay_auth``); None replays without it.
 
     Raises:
         KVTierError: an endpoint is malformed (from the constructor).
@@ -79,12 +82,13 @@ class Subscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", *,
                  start_seq: int | None = None, on_gap=None, replay_timeout_s: float = 2.0,
-                 raw_hashes: bool = False, bind: bool = False) -> None:
+                 raw_hashes: bool = False, bind: bool = False, secret_file: str | None = None) -> None:
         self.topic = topic.encode()
         self.replay_endpoint = replay_endpoint
         self.on_gap = on_gap or _default_on_gap
         self.replay_timeout_s = replay_timeout_s
         self.raw_hashes = raw_hashes
+        self._creds = read_credentials(secret_file) if secret_file else None
         self.stats = SubscriberStats()
         self._dealer = None
         self._ctx = zmq.Context()
@@ -185,6 +189,8 @@ class Subscriber:
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.setsockopt(zmq.RCVHWM, 0)
+        if self._creds is not None:
+            apply_client(self._dealer, self._creds)
         self._dealer.connect(self.replay_endpoint)
 
     def _replay(self, first: int, last: int | None) -> list[tuple[int, bytes]] | None:

@@ -1,15 +1,19 @@
 """Admin HTTP for the server (starlette app served by uvicorn in a thread).
 
-``GET /healthz`` (200 ``ok`` / 503 with the reason), ``GET /status`` (JSON), ``GET /metrics``
-(Prometheus text from OpenTelemetry meters), ``POST /clear[?medium=CPU|STORAGE]`` (``Authorization: Bearer <token>``
-required when an admin token is set; 401 otherwise, and nothing is cleared). No endpoint returns
-environment variables or secrets. Binds 127.0.0.1 unless told otherwise.
+``GET /healthz`` (200 ``ok`` / 503 with the reason), ``GET /status`` (JSON, every secret masked: keys naming
+one, ``user:password@`` and query strings of URLs such as an Azure SAS; namespaces are digests, never a
+``cache_salt``), ``GET /metrics`` (Prometheus text from OpenTelemetry meters),
+``POST /clear[?medium=CPU|STORAGE]``: a mutation, so it needs ``Authorization: Bearer <token>`` when an admin
+token is set (401 otherwise) and is refused when none is set (403) unless ``allow_unauthenticated_admin``.
+It never accepts what a browser can send cross-site without asking (a form post, ``text/plain``): the
+request must carry a JSON body (``{"medium": "CPU"}`` or ``{}``) or the ``X-KVTier-Admin`` header (415 / 400
+otherwise). Nothing is cleared when refused. Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import json
 import logging
 import re
 import socket
@@ -25,22 +29,26 @@ from starlette.routing import Route
 from kvtier import __version__
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.protocol import PROTOCOL_VERSION
+from kvtier.server.session import admin_refusal
 from kvtier.server.telemetry import CONTENT_TYPE, Telemetry
 
 log = logging.getLogger(__name__)
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "connection_string", "sas")
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+_URL_QUERY = re.compile(r"(?<=[a-z]://)([^\s?#]*)\?[^\s#]*", re.IGNORECASE)  # SAS tokens travel as the query string
+_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
 
 
 def redact(value):
-    """A copy of a config value with secrets masked: keys naming a secret, and user:password in URLs."""
+    """A copy of a JSON-like value with secrets masked: keys naming a secret, user:password and query strings
+    of URLs."""
     if isinstance(value, dict):
         return {k: "***" if any(w in str(k).lower() for w in _SECRET_WORDS) and v is not None else redact(v)
                 for k, v in value.items()}
     if isinstance(value, list):
         return [redact(v) for v in value]
     if isinstance(value, str):
-        return _URL_USERINFO.sub("***@", value)
+        return _URL_QUERY.sub(r"\1?***", _URL_USERINFO.sub("***@", value))
     return value
 
 
@@ -52,16 +60,21 @@ def server_status(server) -> dict:
     config["server"].pop("admin_token", None)
     healthy, reason = server.health()
     snap = server.snapshot()
-    return {"version": __version__, "protocol_version": PROTOCOL_VERSION, "server_id": server.server_id,
-            "uptime_seconds": round(time.time() - server.started, 3), "healthy": healthy, "reason": reason,
-            "endpoint": server.endpoint, "config": redact(config),
-            "l1": {"used_bytes": l1.used_bytes, "capacity_bytes": l1.capacity_bytes, "num_chunks": l1.num_chunks,
-                   "eviction_policy": server.config.eviction_policy, "shm_name": server.shm_name},
-            "l2": server.tiers.l2.status(), "connected_clients": len(snap["clients"]), **snap}
+    keyring = server.keyring
+    auth = {"mechanism": "CURVE" if keyring else "NULL (--no-auth)",
+            "path": str(keyring.creds.path) if keyring else None,  # a key naming a secret would be masked
+            "tenants": sorted(keyring.creds.tenants) if keyring else []}
+    return redact({"version": __version__, "protocol_version": PROTOCOL_VERSION, "server_id": server.server_id,
+                   "uptime_seconds": round(time.time() - server.started, 3), "healthy": healthy, "reason": reason,
+                   "endpoint": server.endpoint, "auth": auth, "config": config,
+                   "l1": {"used_bytes": l1.used_bytes, "capacity_bytes": l1.capacity_bytes,
+                          "num_chunks": l1.num_chunks, "eviction_policy": server.config.eviction_policy,
+                          "shm_name": server.shm_name},
+                   "l2": server.tiers.l2.status(), "connected_clients": len(snap["clients"]), **snap})
 
 
-def build_app(server, telemetry: Telemetry, token: str | None) -> Starlette:
-    """The ASGI app over a ``KVTierServer`` (``health()``, ``snapshot()``, ``clear()``)."""
+def build_app(server, telemetry: Telemetry) -> Starlette:
+    """The ASGI app over a ``KVTierServer`` (``health()``, ``snapshot()``, ``clear()``, ``config``)."""
 
     async def healthz(request: Request) -> Response:
         healthy, reason = server.health()
@@ -75,12 +88,30 @@ def build_app(server, telemetry: Telemetry, token: str | None) -> Starlette:
         return Response(body, media_type=CONTENT_TYPE)
 
     async def clear(request: Request) -> Response:
-        if token is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return JSONResponse({"error": "missing or wrong admin token: send 'Authorization: Bearer <token>'"},
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        medium = request.query_params.get("medium")
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type in _FORM_TYPES:
+            return JSONResponse({"error": f"/clear does not accept {content_type} (a browser form can send that "
+                                          "cross-site); send a JSON body or the X-KVTier-Admin header"}, status_code=415)
+        body = {}
+        if content_type == "application/json":
+            try:
+                body = json.loads(await request.body() or b"{}")
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                return JSONResponse({"error": "the JSON body must be an object, e.g. {\"medium\": \"CPU\"} or {}"},
+                                    status_code=400)
+        elif "x-kvtier-admin" not in request.headers:
+            return JSONResponse({"error": "send a JSON body (Content-Type: application/json) or the X-KVTier-Admin "
+                                          "header"}, status_code=400)
+        bearer = request.headers.get("authorization", "")
+        refusal = admin_refusal(server.config, bearer[7:] if bearer.startswith("Bearer ") else None)
+        if refusal:
+            if server.config.server.admin_token is None:
+                return JSONResponse({"error": refusal}, status_code=403)
+            return JSONResponse({"error": f"{refusal}: send 'Authorization: Bearer <token>'"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        medium = body.get("medium", request.query_params.get("medium"))
         try:
             num_chunks = await asyncio.to_thread(server.clear, medium)
         except KVTierError as exc:
@@ -95,7 +126,7 @@ class AdminHTTP:
     """Runs the admin app on ``host:port`` in a daemon thread. The port is bound in the constructor,
     so a port in use is a ConfigError at startup, not a log line in a thread."""
 
-    def __init__(self, server, telemetry: Telemetry, host: str, port: int, token: str | None):
+    def __init__(self, server, telemetry: Telemetry, host: str, port: int):
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -106,7 +137,7 @@ class AdminHTTP:
             raise ConfigError(f"cannot listen on {host}:{port} (--admin-host/--admin-port): {exc.strerror}; "
                               "pick another --admin-port") from None
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(build_app(server, telemetry, token), log_level="warning", lifespan="off",
+        config = uvicorn.Config(build_app(server, telemetry), log_level="warning", lifespan="off",
                                 access_log=False)
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.sock]},

@@ -54,7 +54,13 @@ def _adapter_spec(value: str) -> dict:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="YAML configuration file (or KVTIER_CONFIG_FILE).")
 @click.option("--admin-token", envvar="KVTIER_ADMIN_TOKEN", default=None,
-              help="Token required by POST /clear (or KVTIER_ADMIN_TOKEN).")
+              help="Token every mutation needs: POST /clear, the ZMQ Clear (or KVTIER_ADMIN_TOKEN).")
+@click.option("--allow-unauthenticated-admin", is_flag=True, default=None,
+              help="With no admin token, accept mutations (POST /clear, Clear) from any client [default: refused].")
+@click.option("--auth/--no-auth", "auth", default=None,
+              help="Clients must hold the secret (CurveZMQ) [default: on]; --no-auth only on a trusted network.")
+@click.option("--auth-secret-file", default=None, type=click.Path(dir_okay=False),
+              help="Secret file (created if missing) [default: $XDG_RUNTIME_DIR/kvtier/server-<port>.secret].")
 @click.option("--lease-seconds", type=float, default=None, help="Pins held for a client expire after this [default: 30].")
 @click.option("--shared-memory/--no-shared-memory", default=None,
               help="Same-host clients copy KV through the shared L1 [default: on].")
@@ -69,7 +75,8 @@ def _adapter_spec(value: str) -> dict:
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
               help="Server log verbosity [default: INFO].")
 def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chunk_size, block_size, hash_algorithm,
-           hash_seed, l2_adapters, config_path, admin_token, lease_seconds, shared_memory, enable_kv_events,
+           hash_seed, l2_adapters, config_path, admin_token, allow_unauthenticated_admin, auth, auth_secret_file,
+           lease_seconds, shared_memory, enable_kv_events,
            kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_encoding, event_block_size,
            log_level) -> None:
     """Run the kvtier cache server: ZMQ requests on --port, admin HTTP on --admin-port."""
@@ -77,7 +84,8 @@ def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chun
         raise ConfigError("--event-block-size was removed: use --block-size (the engine's block size); hashes "
                           "chain per block and events name those blocks")
     srv = {"host": host, "port": port, "admin_host": admin_host, "admin_port": admin_port,
-           "admin_token": admin_token, "lease_seconds": lease_seconds, "shared_memory": shared_memory}
+           "admin_token": admin_token, "lease_seconds": lease_seconds, "shared_memory": shared_memory,
+           "allow_unauthenticated_admin": allow_unauthenticated_admin, "auth": auth, "auth_secret_file": auth_secret_file}
     events = {"endpoint": kv_events_endpoint, "replay_endpoint": kv_events_replay_endpoint,
               "topic": kv_events_topic, "encoding": kv_events_encoding}
     overrides = {"l1_size_gb": l1_size_gb, "eviction_policy": eviction_policy, "chunk_size": chunk_size,
@@ -97,6 +105,7 @@ def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chun
 def run(config, log_level: str = "INFO") -> None:
     """Start the server and admin HTTP, serve until SIGINT/SIGTERM, then shut down cleanly."""
     from kvtier.server.admin import AdminHTTP
+    from kvtier.server.auth import log_auth
     from kvtier.server.server import KVTierServer
     from kvtier.server.telemetry import Telemetry
 
@@ -105,9 +114,8 @@ def run(config, log_level: str = "INFO") -> None:
     kv_server = KVTierServer(config)
     telemetry = Telemetry(kv_server.metrics, before_collect=kv_server.tiers.refresh_gauges)
     srv = config.server
-    token = srv.admin_token.get_secret_value() if srv.admin_token is not None else None
     try:
-        admin = AdminHTTP(kv_server, telemetry, srv.admin_host, srv.admin_port, token)
+        admin = AdminHTTP(kv_server, telemetry, srv.admin_host, srv.admin_port)
     except BaseException:
         kv_server.close()
         telemetry.close()
@@ -118,6 +126,7 @@ def run(config, log_level: str = "INFO") -> None:
     log.info("kvtier server ready: requests %s, admin %s, L1 %d bytes (%s), shm %s, %d L2 adapter(s)",
              kv_server.endpoint, admin.url, kv_server.tiers.l1.capacity_bytes, config.eviction_policy,
              kv_server.shm_name or "off", len(kv_server.tiers.l2.adapters))
+    log_auth(kv_server.keyring, config.server.host, kv_server.port)
     emitter = kv_server.tiers.events
     if emitter is not None and emitter.publisher is not None:
         log.info("KV cache events: publishing on %s (replay %s, topic %r, encoding %s)",
@@ -146,3 +155,30 @@ def status(admin_url: str, timeout_seconds: float) -> None:
         raise KVTierError(f"cannot read {url}: {getattr(exc, 'reason', exc)}; is the server running?") from None
     json.dump(body, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+@click.group()
+def auth() -> None:
+    """Secret files of a kvtier server (see docs/deployment.md, "Security")."""
+
+
+@auth.command("tenant")
+@click.argument("name")
+@click.option("--port", type=int, default=5555, show_default=True, help="The server's port (names its default secret file).")
+@click.option("--secret-file", type=click.Path(dir_okay=False), default=None,
+              help="The server's secret file [default: the one for --port].")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Where to write the tenant's credential file.")
+def tenant(name: str, port: int, secret_file: str | None, out: str) -> None:
+    """Add tenant NAME to the server's secret file (a running server picks it up) and write its credential file.
+
+    Engines given that file (client secret_file=..., $KVTIER_AUTH_SECRET_FILE, or the vLLM connector key
+    kvtier.auth_secret_file) reach only NAME's chunks, and get no shared memory.
+    """
+    from pathlib import Path
+
+    from kvtier.auth import add_tenant, default_secret_file, tenant_credentials, write_private
+
+    path = Path(secret_file) if secret_file else default_secret_file(port)
+    creds = add_tenant(path, name)
+    write_private(Path(out), tenant_credentials(creds, name))
+    click.echo(f"tenant {name!r} is in {path}; its credential file is {out} (mode 0600): hand it to its engines")

@@ -25,14 +25,18 @@ from kvtier.client.dataplane import host_id
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
+from kvtier.server.auth import pick_port, server_keyring, tenant_of
 from kvtier.server.session import (
     HandshakeRefused,
     Lease,
     Session,
+    admin_refusal,
     check_hello,
     handshake_values,
+    scoped_namespace,
 )
 from kvtier.server.shm import hold_lock, reap_stale_shm
+from kvtier.zap import guarded_router
 
 log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
@@ -62,19 +66,24 @@ class KVTierServer:
         self.host_id = host_id()
         srv = config.server
         self._ctx = zmq.Context()
-        self.sock = self._ctx.socket(zmq.ROUTER)
+        try:
+            self.port = pick_port(srv.host, srv.port)
+            self.keyring, created = server_keyring(config, self.port)
+        except (OSError, KVTierError) as exc:
+            self._ctx.term()
+            raise ConfigError(f"cannot start on {srv.host}:{srv.port}: {exc}") from None
+        self.sock, self._zap = guarded_router(self._ctx, self.keyring, self._refused)
         self.sock.setsockopt(zmq.LINGER, 0)
         # a frame larger than this drops the sender's connection before it is buffered
         self.sock.setsockopt(zmq.MAXMSGSIZE, srv.max_message_bytes + P.MAX_HEADER_BYTES)
         try:
-            if srv.port == 0:
-                self.port = self.sock.bind_to_random_port(f"tcp://{srv.host}")
-            else:
-                self.sock.bind(f"tcp://{srv.host}:{srv.port}")
-                self.port = srv.port
+            self.sock.bind(f"tcp://{srv.host}:{self.port}")
         except zmq.ZMQError as exc:
             self.sock.close()
+            self._zap.close()
             self._ctx.term()
+            if created:  # made for a port this server did not get
+                self.keyring.creds.path.unlink(missing_ok=True)
             raise ConfigError(f"cannot listen on {srv.host}:{srv.port} (--host/--port): {exc.strerror}; "
                               "is another server running? pick another --port") from None
         self.endpoint = f"tcp://{srv.host}:{self.port}"
@@ -84,10 +93,13 @@ class KVTierServer:
         else:
             shm_name = None
         try:
-            self.tiers = Tiers(config, metrics=self.metrics, shm_name=shm_name)
+            self.tiers = Tiers(config, metrics=self.metrics, shm_name=shm_name, auth=self.keyring)
         except BaseException:
             self.sock.close()
+            self._zap.close()
             self._ctx.term()
+            if created:
+                self.keyring.creds.path.unlink(missing_ok=True)
             raise
         self.shm_name = shm_name
         self._shm_lock = hold_lock(shm_name) if shm_name else None
@@ -153,7 +165,7 @@ class KVTierServer:
             if payload and not isinstance(msg, P.StoreCommit):
                 return self._err(msg, "bad_payload", f"{type(msg).__name__} takes no payload frames, got {len(payload)}"), []
             if isinstance(msg, P.Hello):
-                return self._hello(identity, msg), []
+                return self._hello(identity, msg, tenant_of(header)), []
             session = self.sessions.get(identity)
             if session is None:
                 return self._err(msg, "no_session", "no session for this connection: send Hello first"), []
@@ -171,27 +183,32 @@ class KVTierServer:
         return P.Error(id=msg.id, code=code, message=message)
 
     # ---- handshake -----------------------------------------------------------------------------
-    def _hello(self, identity: bytes, msg: P.Hello):
+    def _hello(self, identity: bytes, msg: P.Hello, auth: tuple[bool, str | None]):
+        authenticated, tenant = auth
+        if not authenticated:  # every connection passes the ZAP handler; this one did not
+            return self._err(msg, "unauthorized", "connection not authenticated by this server")
         try:
             layout = check_hello(msg, self.config, self.tiers.l1.capacity_bytes)
         except HandshakeRefused as exc:
             return self._err(msg, exc.code, str(exc))
-        cache_key = (msg.model, layout.layout_id, msg.namespace)
+        namespace = scoped_namespace(tenant, msg.namespace)
+        cache_key = (msg.model, layout.layout_id, namespace)
         cache = self.caches.get(cache_key)
         if cache is None:
             if len(self.caches) >= MAX_CACHES:
                 return self._err(msg, "bad_request", f"this server already serves {MAX_CACHES} caches")
-            cache = KVCache(self.config, msg.model, layout, namespace=msg.namespace, tiers=self.tiers)
+            cache = KVCache(self.config, msg.model, layout, namespace=namespace, tiers=self.tiers)
             self.caches[cache_key] = cache
-        shm = bool(self.shm_name) and msg.want_shm and msg.host_id == self.host_id
-        self.sessions[identity] = Session(msg.model, msg.namespace, layout.layout_id, cache, shm,
-                                          msg.pid, time.monotonic())
+        # one mapping of the arena reaches every slot, so a tenant's bytes travel as frames
+        shm = bool(self.shm_name) and msg.want_shm and msg.host_id == self.host_id and tenant is None
+        self.sessions[identity] = Session(msg.model, namespace, layout.layout_id, cache, shm, msg.pid,
+                                          time.monotonic(), tenant)
         self.metrics.set("kvtier_connected_clients", len(self.sessions))
         srv = self.config.server
         return P.HelloReply(id=msg.id, version=P.PROTOCOL_VERSION, server_id=self.server_id,
                             lease_seconds=srv.lease_seconds, max_message_bytes=srv.max_message_bytes,
                             shm_name=self.shm_name if shm else None,
-                            shm_capacity_bytes=self.tiers.l1.capacity_bytes if shm else 0,
+                            shm_capacity_bytes=self.tiers.l1.capacity_bytes if shm else 0, tenant=tenant,
                             **handshake_values(self.config))
 
     # ---- requests ------------------------------------------------------------------------------
@@ -208,6 +225,9 @@ class KVTierServer:
         return P.StatsReply(id=msg.id, stats=self.metrics.snapshot()), []
 
     def _on_Clear(self, identity, session, msg, payload):
+        refusal = admin_refusal(self.config, msg.admin_token)
+        if refusal:
+            return self._err(msg, "unauthorized", refusal), []
         return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium)), []
 
     def _on_Flush(self, identity, session, msg, payload):
@@ -218,7 +238,8 @@ class KVTierServer:
         return None, []
 
     def _on_Lookup(self, identity, session, msg, payload):
-        num_tokens = session.cache.lookup(P.unpack_tokens(msg.tokens), msg.namespace, extra_keys=msg.extra_keys)
+        num_tokens = session.cache.lookup(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
+                                          extra_keys=msg.extra_keys)
         return P.LookupReply(id=msg.id, num_tokens=num_tokens), []
 
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
@@ -240,7 +261,8 @@ class KVTierServer:
     def _on_StoreBegin(self, identity, session, msg, payload):
         started = time.monotonic()
         shm = msg.shm and session.shm
-        ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), msg.namespace, extra_keys=msg.extra_keys)
+        ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
+                                           extra_keys=msg.extra_keys)
         if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store
             keep = self._frame_budget(ticket.slots)
             for slot in ticket.slots[keep:]:
@@ -290,7 +312,8 @@ class KVTierServer:
     def _on_RetrieveBegin(self, identity, session, msg, payload):
         started = time.monotonic()
         cache = session.cache
-        ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), msg.namespace, extra_keys=msg.extra_keys)
+        ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
+                                      extra_keys=msg.extra_keys)
         shm = msg.shm and session.shm
         if not shm:
             keep = self._frame_budget(ticket.slots)
@@ -368,8 +391,9 @@ class KVTierServer:
         """Sessions and leases as /status shows them (taken under the lock)."""
         with self.lock:
             now = time.monotonic()
-            clients = [{"model": s.model, "namespace": s.namespace, "layout_id": s.layout_id, "pid": s.pid,
-                        "shared_memory": s.shm, "idle_seconds": round(now - s.last_seen, 3)}
+            # namespaces are digests (keys.namespace_of): they show no cache_salt
+            clients = [{"model": s.model, "namespace": s.namespace, "tenant": s.tenant, "layout_id": s.layout_id,
+                        "pid": s.pid, "shared_memory": s.shm, "idle_seconds": round(now - s.last_seen, 3)}
                        for s in self.sessions.values()]
             leases = {"store": sum(1 for x in self.leases.values() if x.kind == "store"),
                       "retrieve": sum(1 for x in self.leases.values() if x.kind == "retrieve")}
@@ -383,8 +407,12 @@ class KVTierServer:
         if self._shm_lock is not None:
             os.close(self._shm_lock)
         self.sock.close(linger=0)
+        self._zap.close()
         self._ctx.term()
         return done
+
+    def _refused(self, mechanism: str, address: str) -> None:
+        self.metrics.inc("kvtier_auth_refused_total", socket="requests")
 
 
 def _check_frames(payload: list, slots: list) -> str:

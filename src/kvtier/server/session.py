@@ -1,7 +1,8 @@
-"""Server sessions: the handshake checks, and the records of connected clients and their leases."""
+"""Server sessions: the handshake and admin checks, and the records of connected clients and their leases."""
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass, field
 
 from kvtier import __version__
@@ -9,6 +10,7 @@ from kvtier import protocol as P
 from kvtier.cache import KVCache
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
+from kvtier.keys import tenant_namespace
 from kvtier.layout import KVLayout
 
 
@@ -21,6 +23,16 @@ class Session:
     shm: bool
     pid: int
     last_seen: float
+    tenant: str | None = None  # None: full access (the server's own secret, or auth off)
+
+    def namespace_for(self, namespace: str | None) -> str | None:
+        """A request's namespace as the server keys it (None: the session's default)."""
+        return scoped_namespace(self.tenant, namespace)
+
+
+def scoped_namespace(tenant: str | None, namespace: str | None) -> str | None:
+    """``namespace`` as the server keys it for a client of ``tenant``: the tenant's own, whatever it names."""
+    return namespace if namespace is None or tenant is None else tenant_namespace(tenant, namespace)
 
 
 @dataclass(slots=True)
@@ -83,3 +95,17 @@ def check_hello(msg: P.Hello, config: KVTierConfig, l1_capacity_bytes: int) -> K
     if diffs:
         raise HandshakeRefused("config_mismatch", "; ".join(diffs))
     return layout
+
+
+def admin_refusal(config: KVTierConfig, token: str | None) -> str | None:
+    """Why a mutation (clear) with admin ``token`` is refused, or None when it is allowed: with
+    ``server.admin_token`` set the token must match; with none set only ``allow_unauthenticated_admin`` allows it."""
+    srv = config.server
+    if srv.admin_token is None:
+        if srv.allow_unauthenticated_admin:
+            return None
+        return ("no admin token is configured, so mutations are refused: set server.admin_token (--admin-token / "
+                "KVTIER_ADMIN_TOKEN), or allow them explicitly with --allow-unauthenticated-admin")
+    if token is None or not hmac.compare_digest(token.encode(), srv.admin_token.get_secret_value().encode()):
+        return "missing or wrong admin token"
+    return None

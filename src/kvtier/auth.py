@@ -1,0 +1,298 @@
+"""Who may talk to a kvtier server: the secret file, the CurveZMQ keys derived from it, and tenants.
+
+Trust boundary: processes of other OS users on the host, and network peers when a port is bound beyond
+loopback, are outside it; processes of the server's own OS user are inside it (they can read its secret
+file, attach a debugger or kill it anyway).
+
+The secret file (YAML or JSON, mode 0600, owned by the user reading it) holds::
+
+    secret: <64 hex>            # the server's own secret: full access to every namespace
+    tenants:                    # optional: tenant name -> that tenant's secret
+      team-a: <64 hex>
+
+A tenant's engines get a credential file of their own (``kvtier auth tenant``)::
+
+    tenant: team-a
+    secret: <64 hex>            # team-a's secret
+    server_key: <40 chars>      # the server's CurveZMQ public key (Z85), not a secret
+
+Keys: every secret derives one CurveZMQ keypair per role, ``HMAC-SHA256(secret, "kvtier-curve-v1:<role>")``
+as the Curve25519 secret key (role ``server`` for the server's own key, ``client`` for a client's). A
+client pins the server's public key, so a process squatting on the port cannot complete the handshake:
+it learns nothing (no model, no token ids) and cannot hand the client a shared-memory name. The
+server's ZAP handler (``kvtier.zap``) accepts only the client keys of its secret file and tells the
+server which tenant a connection belongs to. Transport: libzmq's CURVE mechanism (CurveZMQ, RFC 26),
+which also encrypts every frame.
+
+Default path: ``$XDG_RUNTIME_DIR/kvtier/server-<port>.secret`` (or ``~/.local/state/kvtier/...``), so a
+client of the same OS user on the same host finds the file from the server's URL alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+import zmq
+from zmq.utils import z85
+
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+ENV_SECRET_FILE = "KVTIER_AUTH_SECRET_FILE"
+FULL_ACCESS = "*"  # the ZAP User-Id of a client holding the server's own secret
+MIN_SECRET_CHARS = 32
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_URL_RE = re.compile(r"^tcp://(?:\[[^\]]*\]|[^:/]*):(\d+)/?$")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """One secret file's contents. ``tenant`` is None for the server's own (full access) secret."""
+
+    path: Path
+    secret: str
+    tenant: str | None = None
+    server_key: str | None = None  # Z85 public key; derived from ``secret`` when tenant is None
+    tenants: dict[str, str] = field(default_factory=dict)
+
+    def client_keypair(self) -> tuple[bytes, bytes]:
+        """(public, secret) CurveZMQ client keys, Z85."""
+        return curve_keypair(self.secret, "client")
+
+    def server_public_key(self) -> bytes:
+        """The Z85 public key the server must prove it holds."""
+        return self.server_key.encode() if self.server_key else curve_keypair(self.secret, "server")[0]
+
+    def principals(self) -> dict[bytes, str]:
+        """Raw 32-byte client public key -> ZAP User-Id (``"*"`` or the tenant name), for the server."""
+        out = {z85.decode(curve_keypair(self.secret, "client")[0]): FULL_ACCESS}
+        for name, tenant_secret in self.tenants.items():
+            out[z85.decode(curve_keypair(tenant_secret, "client")[0])] = name
+        return out
+
+
+class KeyRing:
+    """The client keys a server accepts, re-read when its secret file changes, so ``kvtier auth tenant``
+    takes effect without a restart. A file that became unreadable keeps the last good keys (logged)."""
+
+    def __init__(self, creds: Credentials):
+        self.creds = creds
+        self._stamp = _stamp(creds.path)
+        self._keys = creds.principals()
+
+    def principals(self) -> dict[bytes, str]:
+        stamp = _stamp(self.creds.path)
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                fresh = read_credentials(self.creds.path)
+            except ConfigError as exc:
+                log.warning("keeping the previous keys: %s", exc)
+                return self._keys
+            if fresh.secret != self.creds.secret:
+                log.warning("the secret in %s changed; the server keeps its old one until it restarts", fresh.path)
+                fresh = Credentials(fresh.path, self.creds.secret, None, None, fresh.tenants)
+            self.creds, self._keys = fresh, fresh.principals()
+        return self._keys
+
+
+def _stamp(path: Path) -> tuple:
+    try:
+        info = path.stat()
+    except OSError:
+        return ()
+    return info.st_mtime_ns, info.st_size, info.st_ino
+
+
+def curve_keypair(secret: str, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CurveZMQ keys that ``secret`` derives for ``role`` (``server`` or ``client``)."""
+    raw = hmac.new(secret.encode(), f"kvtier-curve-v1:{role}".encode(), hashlib.sha256).digest()
+    private = z85.encode(raw)
+    return zmq.curve_public(private), private
+
+
+def state_dir(environ=None) -> Path:
+    """Where default secret files live: ``$XDG_RUNTIME_DIR/kvtier`` or ``~/.local/state/kvtier``."""
+    environ = os.environ if environ is None else environ
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "kvtier"
+    return Path(environ.get("HOME") or Path.home()) / ".local" / "state" / "kvtier"
+
+
+def default_secret_file(port: int, environ=None) -> Path:
+    """The secret file a server on ``port`` uses unless ``server.auth_secret_file`` says otherwise."""
+    return state_dir(environ) / f"server-{port}.secret"
+
+
+def secret_file_for(url: str, secret_file: str | os.PathLike | None = None, environ=None) -> tuple[Path | None, bool]:
+    """(path, explicit): the secret file a client of ``url`` reads: ``secret_file``, else
+    ``$KVTIER_AUTH_SECRET_FILE``, else the default for the URL's port (None for a URL without a port)."""
+    environ = os.environ if environ is None else environ
+    chosen = secret_file or environ.get(ENV_SECRET_FILE)
+    if chosen:
+        return Path(chosen).expanduser(), True
+    match = _URL_RE.match(url)
+    return (default_secret_file(int(match.group(1)), environ) if match else None), False
+
+
+def read_credentials(path: str | os.PathLike) -> Credentials:
+    """Parse and check a secret file. Raises ConfigError: missing, readable by other users, not owned by
+    this user, or malformed (each message names the file and the fix)."""
+    path = Path(path)
+    try:
+        info = path.stat()
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"secret file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read secret file {path}: {exc.strerror}") from None
+    if info.st_uid != os.getuid():
+        raise ConfigError(f"secret file {path} belongs to uid {info.st_uid}, not to this user ({os.getuid()}); "
+                          "copy it to a file of your own with mode 0600")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise ConfigError(f"secret file {path} is readable by other users (mode {stat.S_IMODE(info.st_mode):04o}); "
+                          f"run: chmod 600 {path}")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"secret file {path} is not valid YAML/JSON: {exc}") from None
+    return _parse(path, data)
+
+
+def _parse(path: Path, data) -> Credentials:
+    if not isinstance(data, dict) or not isinstance(data.get("secret"), str):
+        raise ConfigError(f"secret file {path} must be a mapping with a 'secret' string (see kvtier.auth)")
+    unknown = sorted(set(data) - {"secret", "tenants", "tenant", "server_key"})
+    if unknown:
+        raise ConfigError(f"secret file {path}: unknown keys {unknown}; valid: secret, tenants, tenant, server_key")
+    tenants = data.get("tenants") or {}
+    if not isinstance(tenants, dict):
+        raise ConfigError(f"secret file {path}: 'tenants' must map tenant names to secrets")
+    for name, value in [(None, data["secret"]), *tenants.items()]:
+        if name is not None and not _TENANT_RE.match(str(name)):
+            raise ConfigError(f"secret file {path}: tenant name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        if not isinstance(value, str) or len(value) < MIN_SECRET_CHARS:
+            raise ConfigError(f"secret file {path}: the secret{f' of tenant {name!r}' if name else ''} must be a "
+                              f"string of at least {MIN_SECRET_CHARS} characters (e.g. 64 hex digits)")
+    tenant, server_key = data.get("tenant"), data.get("server_key")
+    if tenant is not None and (not _TENANT_RE.match(str(tenant)) or not isinstance(server_key, str)):
+        raise ConfigError(f"secret file {path}: a tenant credential needs a valid 'tenant' name and the server's "
+                          "'server_key'; make one with: kvtier auth tenant NAME")
+    if server_key is not None and (not isinstance(server_key, str) or len(server_key) != 40):
+        raise ConfigError(f"secret file {path}: 'server_key' must be the server's 40-character Z85 public key")
+    return Credentials(path, data["secret"], tenant, server_key, {str(k): v for k, v in tenants.items()})
+
+
+def load_or_create(path: str | os.PathLike) -> tuple[Credentials, bool]:
+    """The server's credentials at ``path``, creating the file (new random secret, mode 0600, folder 0700)
+    when it does not exist. Returns (credentials, created). Raises ConfigError as ``read_credentials``."""
+    path = Path(path)
+    created = False
+    if not path.exists():
+        private_dir(path.parent)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, f"secret: {secrets.token_hex(32)}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # never replaces a file another server created meanwhile
+            created = True
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    creds = read_credentials(path)
+    if creds.tenant is not None:
+        raise ConfigError(f"{path} is a tenant's credential file, not a server secret file")
+    return creds, created
+
+
+def private_dir(directory: Path) -> None:
+    """Create ``directory`` (and parents) with mode 0700; tighten it if this user owns it and it is wider."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(directory, 0o700)
+
+
+def tenant_credentials(server: Credentials, tenant: str) -> str:
+    """The YAML text of ``tenant``'s credential file (its secret and the server's public key)."""
+    return yaml.safe_dump({"tenant": tenant, "secret": server.tenants[tenant],
+                           "server_key": server.server_public_key().decode()}, sort_keys=False)
+
+
+def add_tenant(path: str | os.PathLike, tenant: str) -> Credentials:
+    """Add ``tenant`` with a new random secret to the server secret file at ``path`` (kept if it exists).
+    Raises ConfigError for a bad name or file."""
+    if not _TENANT_RE.match(tenant):
+        raise ConfigError(f"tenant name {tenant!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+    creds, _ = load_or_create(path)
+    if tenant in creds.tenants:
+        return creds
+    data = {"secret": creds.secret, "tenants": {**creds.tenants, tenant: secrets.token_hex(32)}}
+    write_private(Path(path), yaml.safe_dump(data, sort_keys=False))
+    return read_credentials(path)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with ``text`` in a file of mode 0600."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def client_credentials(url: str, secret_file: str | os.PathLike | None = None) -> tuple[Credentials | None, Path | None, str]:
+    """(credentials or None, the path looked at, a problem to report or ""). No file at the default path is
+    no problem (the server may run without authentication); a file that is named but missing or unsafe is."""
+    path, explicit = secret_file_for(url, secret_file)
+    if path is None:
+        return None, None, ""
+    try:
+        return read_credentials(path), path, ""
+    except ConfigError as exc:
+        if not explicit and not path.exists():
+            return None, path, ""
+        return None, path, str(exc)
+
+
+def apply_client(sock: zmq.Socket, creds: Credentials) -> None:
+    """Make ``sock`` a CurveZMQ client of the server ``creds`` names (before ``connect``)."""
+    public, private = creds.client_keypair()
+    sock.curve_serverkey = creds.server_public_key()
+    sock.curve_publickey = public
+    sock.curve_secretkey = private
+
+
+def handshake_problem(event: int, value: int, url: str, creds: Credentials | None, path: Path | None) -> str:
+    """What a failed ZMTP handshake (a socket monitor event) means for a client, and what to do."""
+    where = f"secret file {path}" if path else "no secret file (the URL has no port to find one by)"
+    if creds is None:
+        return (f"{url} requires authentication and this client has none: looked for {where}; run the client as "
+                f"the server's OS user, or give the file (client secret_file=..., ${ENV_SECRET_FILE}, or the "
+                "vLLM connector key kvtier.auth_secret_file)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"{url} refused this client's key from {where}: the secret is not one of the server's "
+                "(wrong file, or a tenant that was removed)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return (f"{url} does not use authentication (started with --no-auth?) but this client found {where}; "
+                "remove that stale file or start the server with authentication")
+    return (f"{url} failed the CurveZMQ handshake with the key from {where}: the server's secret differs (the "
+            "file is stale or belongs to another server), or it runs without authentication (--no-auth)")

@@ -1,0 +1,74 @@
+"""Admin mutations over ZMQ and HTTP, and what /status shows (issue 9, §4). Real server subprocesses."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from support.server import CHUNK, LAYOUT, ServerProc
+
+from kvtier.client import Client
+from kvtier.errors import ProtocolError
+from kvtier.keys import namespace_of
+
+TOKEN = "the-admin-token"
+SALT = "pepper-salt-4711"
+
+
+def stored(client: Client, seed: int) -> list[int]:
+    tokens = list(range(seed * 100, seed * 100 + CHUNK))
+    assert client.store(tokens, torch.randn(LAYOUT.chunk_shape(CHUNK))) == 1
+    return tokens
+
+
+def test_with_an_admin_token_every_clear_needs_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVTIER_ADMIN_TOKEN", raising=False)
+    with ServerProc(tmp_path, token=TOKEN) as server, \
+            Client(server.url, model="m", layout=LAYOUT, namespace=namespace_of(None, SALT)) as client:
+        tokens = stored(client, 1)
+        for token in (None, "wrong"):
+            with pytest.raises(ProtocolError, match="refused Clear: missing or wrong admin token"):
+                client.clear(admin_token=token)
+        assert client.lookup(tokens) == CHUNK  # the ZMQ Clear wiped nothing
+        form = httpx.post(server.admin + "/clear", data={"medium": "CPU"}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert form.status_code == 415 and client.lookup(tokens) == CHUNK  # never a form, even with the token
+        wrong = httpx.post(server.admin + "/clear", json={}, headers={"Authorization": "Bearer wrong"})
+        assert wrong.status_code == 401 and client.lookup(tokens) == CHUNK
+        status = httpx.get(server.admin + "/status").text
+        assert SALT not in status and TOKEN not in status  # a namespace is a digest: no cache_salt in clear
+        assert namespace_of(None, SALT) in status
+        assert client.clear(medium="CPU", admin_token=TOKEN) == 1 and client.lookup(tokens) == 0
+        stored(client, 2)
+        done = httpx.post(server.admin + "/clear", json={"medium": "CPU"}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert done.status_code == 200 and done.json() == {"cleared": True, "medium": "CPU", "num_l1_chunks": 1}
+        monkeypatch.setenv("KVTIER_ADMIN_TOKEN", TOKEN)  # the client's default token
+        stored(client, 3)
+        assert client.clear() == 1
+
+
+def test_without_an_admin_token_mutations_are_refused(tmp_path):
+    with ServerProc(tmp_path) as server, Client(server.url, model="m", layout=LAYOUT) as client:
+        tokens = stored(client, 1)
+        with pytest.raises(ProtocolError, match="no admin token is configured"):
+            client.clear()
+        for kwargs in ({"data": {"medium": "CPU"}}, {"json": {}}, {"headers": {"X-KVTier-Admin": "1"}}):
+            refused = httpx.post(server.admin + "/clear", **kwargs)
+            assert refused.status_code in (403, 415), refused.text
+        assert client.lookup(tokens) == CHUNK
+
+
+def test_unauthenticated_admin_must_be_enabled_and_still_refuses_cross_site_posts(tmp_path):
+    with ServerProc(tmp_path, extra=("--allow-unauthenticated-admin",)) as server, \
+            Client(server.url, model="m", layout=LAYOUT) as client:
+        tokens = stored(client, 1)
+        # what a page on another site can make a browser send without asking: a form, or text/plain
+        cross_site = [{"data": {"medium": "CPU"}}, {"content": b"medium=CPU", "headers": {"Content-Type": "text/plain"}},
+                      {"files": {"f": b"x"}}]
+        for kwargs in cross_site:
+            assert httpx.post(server.admin + "/clear", **kwargs).status_code == 415
+        assert httpx.post(server.admin + "/clear").status_code == 400  # no JSON body, no X-KVTier-Admin header
+        assert client.lookup(tokens) == CHUNK
+        done = httpx.post(server.admin + "/clear?medium=CPU", headers={"X-KVTier-Admin": "1"})
+        assert done.status_code == 200 and client.lookup(tokens) == 0
+        stored(client, 2)
+        assert client.clear() == 1
