@@ -104,7 +104,7 @@ class Tiers:
         self.l1.on_evict = self._on_l1_evict
         record_key = config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None
         self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
-                         config.l2_promote_to_faster_l2, record_key)
+                         config.l2_promote_to_faster_l2, record_key, config.l2_record_auth)
         self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
 
     def _on_l1_evict(self, evicted) -> None:

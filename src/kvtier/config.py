@@ -151,7 +151,8 @@ class KVTierConfig(_Section):
     l2_write_queue_size: int = Field(64, ge=0)  # chunks waiting for L2; a full queue drops the write
     l2_promote: Bool = True  # copy L2 hits into L1
     l2_promote_to_faster_l2: Bool = False  # also copy hits into L2 adapters ahead of the one that had it
-    l2_record_key: pydantic.SecretStr | None = None  # HMAC-SHA256 key authenticating L2 records (KVTIER_L2_RECORD_KEY)
+    l2_record_key: pydantic.SecretStr | None = None  # key authenticating L2 records (KVTIER_L2_RECORD_KEY)
+    l2_record_auth: Literal["blake3", "hmac-sha256"] = "blake3"  # the MAC new records are signed with
     enable_kv_events: Bool = False
     kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)

@@ -18,7 +18,7 @@ class CorruptRecordError(KVTierError):
 
 
 class RecordAuthError(CorruptRecordError):
-    """A stored chunk record's HMAC (``l2_record_key``) is missing or wrong: forged, or written without the key."""
+    """A stored chunk record's tag (``l2_record_key``) is missing or wrong: forged, or written without the key."""
 
 
 class StorageError(KVTierError):

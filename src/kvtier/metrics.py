@@ -37,8 +37,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_l2_promoted_chunks_total", "counter", "L2 hits copied into L1."),
     MetricSpec("kvtier_corrupt_records_total", "counter",
                "L2 records that failed verification (deleted, counted as a miss).", ("adapter",)),
-    MetricSpec("kvtier_l2_auth_failures_total", "counter", "L2 records whose HMAC (l2_record_key) was missing or "
-               "wrong (deleted, counted as a miss).", ("adapter",)),
+    MetricSpec("kvtier_l2_auth_failures_total", "counter", "L2 records whose authentication tag (l2_record_key) "
+               "was missing or wrong (deleted, counted as a miss).", ("adapter",)),
     MetricSpec("kvtier_auth_refused_total", "counter", "Connections the ZAP handler refused (unknown key), by "
                "socket: requests (the client port) or replay (the event replay port).", ("socket",)),
     MetricSpec("kvtier_store_seconds", "histogram", "Store latency.", unit="s"),

@@ -76,12 +76,13 @@ def test_key_names_are_hex_and_namespaced():
     assert ChunkKey("a/model:with weird chars", "abc", "", b"\xab" * 16).name() != name
 
 
-def test_authenticated_records_need_the_key():
+@pytest.mark.parametrize("auth", ["blake3", "hmac-sha256"])
+def test_authenticated_records_need_the_key(auth):
     key, payload, plain = _record()
     record_key = b"r" * 32
-    signed = b"".join(bytes(p) for p in encode_record(key, LAYOUT, [1, 2, 3, 4], payload, auth_key=record_key))
+    signed = b"".join(bytes(p) for p in encode_record(key, LAYOUT, [1, 2, 3, 4], payload, auth_key=record_key, auth=auth))
     header, view = decode_record(signed, key, [1, 2, 3, 4], auth_key=record_key)
-    assert header.auth == "hmac-sha256" and bytes(view) == payload.tobytes()
+    assert header.auth == auth and bytes(view) == payload.tobytes()
     assert bytes(decode_record(signed, key)[1]) == payload.tobytes()  # no key: the checksum alone is checked
     with pytest.raises(RecordAuthError, match="does not match"):
         decode_record(signed, key, auth_key=b"x" * 32)
@@ -90,7 +91,7 @@ def test_authenticated_records_need_the_key():
     # a forger who can write the store: another payload with a correct checksum, under the old tag
     forged_payload = payload.copy()
     forged_payload[0] += 1
-    head, _, tag = encode_record(key, LAYOUT, [1, 2, 3, 4], forged_payload, auth_key=b"forger's key")
+    head, _, tag = encode_record(key, LAYOUT, [1, 2, 3, 4], forged_payload, auth_key=b"forger's key", auth=auth)
     forged = bytes(head) + forged_payload.tobytes() + bytes(signed[-32:])
     with pytest.raises(RecordAuthError):
         decode_record(forged, key, [1, 2, 3, 4], auth_key=record_key)

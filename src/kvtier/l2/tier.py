@@ -14,9 +14,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvtier.errors import CorruptRecordError, RecordAuthError
+from kvtier.errors import ConfigError, CorruptRecordError, RecordAuthError
 from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
 from kvtier.layout import KVLayout
@@ -53,17 +54,27 @@ class L2Tier:
         events: an EventEmitter (``stored``/``removed`` with medium ``STORAGE``) or None.
         queue_chunks: most chunks waiting to be written; more are dropped and counted.
         promote_to_faster: on a hit in adapter i, also write the record into adapters before i.
-        record_key: HMAC-SHA256 key records are written and checked with (``l2_record_key``), or None.
+        record_key: the key records are signed and checked with (``l2_record_key``), or None.
+        record_auth: the MAC new records are signed with (``record.AUTH_ALGORITHMS``).
     """
 
     def __init__(self, adapters: Sequence[L2Adapter], metrics: Metrics, events=None,
-                 queue_chunks: int = 64, promote_to_faster: bool = False, record_key: bytes | None = None):
+                 queue_chunks: int = 64, promote_to_faster: bool = False, record_key: bytes | None = None,
+                 record_auth: str = "blake3"):
         self.adapters = list(adapters)
         self.metrics = metrics
         self.events = events
         self.queue_chunks = queue_chunks
         self.promote_to_faster = promote_to_faster
         self.record_key = record_key
+        self.record_auth = record_auth
+        if record_key is not None and record_auth == "blake3":
+            try:
+                import blake3  # noqa: F401 -- fail at startup, not in the writer thread
+            except ImportError:
+                raise ConfigError("l2_record_auth 'blake3' needs the blake3 package (pip install blake3); "
+                                  "or set l2_record_auth: hmac-sha256") from None
+        self._hasher: ThreadPoolExecutor | None = None
         self._queue: deque[_WriteBatch] = deque()
         self._pending = 0  # chunks queued or being written
         self._cond = threading.Condition()
@@ -202,17 +213,40 @@ class L2Tier:
                     self._pending -= len(batch.items)
                     self._cond.notify_all()
 
+    def _encoded(self, items: list[WriteItem]):
+        """Groups of (name, record parts) in item order. With a record key the tags are computed by helper
+        threads (the MACs release the GIL) and each group is what is ready, so signing overlaps writing."""
+        def encode(item: WriteItem):
+            return item.key.name(), encode_record(item.key, item.layout, item.token_ids, item.payload, self.record_key,
+                                                  self.record_auth)
+
+        if self.record_key is None or len(items) < 2:
+            yield [encode(item) for item in items]
+            return
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvtier-l2-sign")
+        futures = [self._hasher.submit(encode, item) for item in items]
+        i = 0
+        while i < len(futures):
+            group = [futures[i].result()]
+            i += 1
+            while i < len(futures) and futures[i].done():
+                group.append(futures[i].result())
+                i += 1
+            yield group
+
     def _write_batch(self, batch: _WriteBatch) -> None:
-        records = [(item.key.name(), encode_record(item.key, item.layout, item.token_ids, item.payload, self.record_key))
-                   for item in batch.items]
-        stored = [False] * len(records)
-        for adapter in self.adapters:
-            flags = self._call(adapter, "put", adapter.put, records, default=None)
-            if flags is None:
-                continue
-            for i, ok in enumerate(flags):
-                stored[i] = stored[i] or bool(ok)
-            self.metrics.inc("kvtier_l2_writes_total", sum(1 for f in flags if f), adapter=adapter.label)
+        stored: list[bool] = []
+        for records in self._encoded(batch.items):
+            done = [False] * len(records)
+            for adapter in self.adapters:
+                flags = self._call(adapter, "put", adapter.put, records, default=None)
+                if flags is None:
+                    continue
+                for i, ok in enumerate(flags):
+                    done[i] = done[i] or bool(ok)
+                self.metrics.inc("kvtier_l2_writes_total", sum(1 for f in flags if f), adapter=adapter.label)
+            stored += done
         failed = stored.count(False)
         if failed:
             self.metrics.inc("kvtier_l2_write_dropped_total", failed)
@@ -280,6 +314,8 @@ class L2Tier:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False)
         for adapter in self.adapters:
             self._call(adapter, "close", adapter.close)
         return done
