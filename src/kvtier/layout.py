@@ -34,6 +34,10 @@ class KVLayout:
         dtype: element type name, one of ``DTYPE_SIZES``.
         tp_size: tensor-parallel world size the shard belongs to.
         tp_rank: this shard's tensor-parallel rank.
+        group: which layers these are and how the engine keeps their KV, for a model whose layers form several
+            KV cache groups (sliding-window and full attention: ``connectors.vllm_groups``), e.g.
+            ``"sliding_window/512/0,6,12"`` (attention kind / window / the layer indexes along the layout's layer
+            axis, in that order). ``""`` (the default) means every layer of the model in layer order, full KV.
     """
 
     num_layers: int
@@ -42,6 +46,7 @@ class KVLayout:
     dtype: str = "float32"
     tp_size: int = 1
     tp_rank: int = 0
+    group: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tp_size"):
@@ -50,17 +55,21 @@ class KVLayout:
                 raise InputError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise InputError(f"KVLayout.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}")
+        if not isinstance(self.group, str):
+            raise InputError(f"KVLayout.group must be a str, got {self.group!r}")
         if self.dtype not in DTYPE_SIZES:
             raise InputError(f"KVLayout.dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_SIZES)}")
 
     @property
     def layout_id(self) -> str:
-        """16 hex chars identifying dtype, layers, KV heads, head dim and the TP split.
+        """16 hex chars identifying dtype, layers, KV heads, head dim, the TP split and the KV cache group.
 
         Two layouts share an id only when their chunks are byte-compatible, so an fp8 run
-        never reads a bf16 chunk.
+        never reads a bf16 chunk, and a sliding-window group's chunk is never read as another group's.
         """
         text = f"v1|{self.dtype}|{self.num_layers}|{self.num_kv_heads}|{self.head_dim}|{self.tp_size}|{self.tp_rank}"
+        if self.group:  # appended only when set: the ids of single-group layouts stay what they were
+            text += f"|{self.group}"
         return xxhash.xxh3_64_hexdigest(text.encode())
 
     @property
@@ -87,7 +96,11 @@ class KVLayout:
             if self.dtype != "float16" else np.dtype(np.float16)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict (``group`` only when set, so single-group layouts keep their old form)."""
+        data = asdict(self)
+        if not self.group:
+            del data["group"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "KVLayout":

