@@ -226,4 +226,3 @@ class KVGroups:
             raise InputError(f"{len(hits)} hits for {len(self.parts)} KV parts")
         last = (num_prompt_tokens - 1) // self.block_size * self.block_size
         return max(0, min(min(hits, default=0), last)) // self.block_size * self.block_size
-
