@@ -26,12 +26,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 Fill = Callable[[int, np.ndarray], None]
 """``fill(start, dst)``: write the KV of tokens ``[start, start + dst.shape[2])`` into ``dst`` in place."""
+
+
+class TierHits(NamedTuple):
+    """What ``lookup_tiers`` answers: leading tokens held, and how many of them are in L1 (host memory).
+
+    ``num_tokens - num_l1_tokens`` leading tokens after the L1 ones are in L2 only (disk, object storage...).
+    Both are whole chunks (a multiple of ``chunk_size``, except a stored partial tail) and
+    ``0 <= num_l1_tokens <= num_tokens``.
+    """
+
+    num_tokens: int
+    num_l1_tokens: int
 
 
 class Retrieved:
@@ -80,6 +92,12 @@ class KVBackend(Protocol):
         nothing is promoted between tiers. 0 when unavailable. Raises InputError for bad tokens."""
         ...
 
+    def lookup_tiers(self, tokens, namespace: str | None = None) -> TierHits:
+        """``lookup`` split by tier: ``TierHits(num_tokens, num_l1_tokens)``. Counted in the cache's
+        ``kvtier_lookup_hit_tokens_total{medium="CPU"|"STORAGE"}`` exactly as answered. (0, 0) when unavailable.
+        Raises InputError for bad tokens."""
+        ...
+
     def store_chunks(self, tokens, fill: Fill, namespace: str | None = None) -> int:
         """Store the KV of the chunks of ``tokens`` that the cache lacks, letting ``fill`` write each in place.
 
@@ -95,12 +113,15 @@ class KVBackend(Protocol):
         """
         ...
 
-    def retrieve_chunks(self, tokens, namespace: str | None = None) -> AbstractContextManager[Retrieved]:
+    def retrieve_chunks(self, tokens, namespace: str | None = None, *,
+                        timeout_seconds: float | None = None) -> AbstractContextManager[Retrieved]:
         """Zero-copy access to the KV of the leading available tokens of ``tokens``, chunk by chunk.
 
         A context manager yielding a ``Retrieved``; the chunks stay pinned (cannot be evicted) until the
         ``with`` block ends, so copy them out and leave. L2 hits are brought into L1 first. Read ``ok``
-        after the block. Raises InputError for bad tokens.
+        after the block. ``timeout_seconds``: the longest the backend waits on its server for this call
+        (pinning, and unpinning at the end); past it the answer is a miss (or ``ok`` False). In process,
+        a retrieve that took longer than it answers a miss. Raises InputError for bad tokens.
         """
         ...
 

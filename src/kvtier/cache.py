@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from kvtier.backend import Fill, Retrieved
+from kvtier.backend import Fill, Retrieved, TierHits
 from kvtier.config import KVTierConfig
 from kvtier.errors import InputError, KVTierError
 from kvtier.hashing import as_token_array, prefix_hashes
@@ -210,6 +210,11 @@ class KVCache:
     # ---- lookup ------------------------------------------------------------------------
     def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
         """Number of leading tokens whose KV is available (L1, then L2). Read-only: nothing is promoted."""
+        return self.lookup_tiers(tokens, namespace, extra_keys=extra_keys).num_tokens
+
+    def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None) -> TierHits:
+        """``lookup`` split by tier (``KVBackend.lookup_tiers``): leading tokens in L1, then in L2 after them.
+        Counts both in ``kvtier_lookup_hit_tokens_total`` by medium (CPU, STORAGE)."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         n_l1 = 0
         while n_l1 < len(refs) and self.l1.contains(refs[n_l1].key):
@@ -222,7 +227,7 @@ class KVCache:
         m.inc("kvtier_lookup_tokens_total", len(arr))
         m.inc("kvtier_lookup_hit_tokens_total", l1_tokens, medium="CPU")
         m.inc("kvtier_lookup_hit_tokens_total", total - l1_tokens, medium="STORAGE")
-        return total
+        return TierHits(total, l1_tokens)
 
     # ---- store -------------------------------------------------------------------------
     def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None) -> StoreTicket:
@@ -357,12 +362,16 @@ class KVCache:
         ticket.slots.clear()
 
     @contextlib.contextmanager
-    def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None):
+    def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None,
+                        timeout_seconds: float | None = None):
         """``KVBackend.retrieve_chunks`` in process: the views are the L1 slots themselves, pinned by
         ``begin_retrieve`` (L2 hits promoted into L1 first) and unpinned when the ``with`` block ends. Pins
-        never expire here, so ``ok`` is True whenever ``num_tokens`` > 0. Raises InputError for bad tokens."""
+        never expire here, so ``ok`` is True whenever ``num_tokens`` > 0, unless pinning took longer than
+        ``timeout_seconds`` (a slow L2): then the answer is a miss. Raises InputError for bad tokens."""
         started = time.perf_counter()
         ticket = self.begin_retrieve(tokens, namespace, extra_keys=extra_keys)
+        if timeout_seconds is not None and time.perf_counter() - started > timeout_seconds:
+            self.end_retrieve(ticket)  # too late for the caller's deadline: answer a miss
         got = Retrieved(ticket.num_tokens, ok=ticket.num_tokens > 0)
         try:
             dtype = self.layout.numpy_dtype()

@@ -137,6 +137,23 @@ class ServerConfig(_Section):
     shutdown_timeout_seconds: float = Field(10.0, ge=0)  # bounded wait for queued L2 writes
 
 
+class ConnectorConfig(_Section):
+    """An engine connector (the vLLM ``KVTierConnector``): how it reaches kvtier and how long it waits.
+
+    In vLLM's ``kv_connector_extra_config`` each key is written ``kvtier.<key>`` (``kvtier.server_url``);
+    keys of the rest of the tree are written the same way (``kvtier.l1_size_gb``) and configure an
+    in-process cache. The engine's block size, hash algorithm and seed always come from the engine.
+    """
+
+    server_url: str | None = None  # tcp://host:port of `kvtier server`; None: an in-process cache
+    local_disk: str | None = None  # in-process only: folder of a local_disk L2 the engine's processes share
+    model: str | None = None  # model id in chunk keys (default: the weights' identity); change it with the weights
+    use_layerwise: Bool = False  # load and save layer by layer inside the forward pass
+    timeout_seconds: float = Field(5.0, gt=0)  # server only: longest wait for one reply (also the startup wait)
+    load_timeout_seconds: float = Field(5.0, gt=0)  # longest wait for one request's load; later: recomputed
+    auth_secret_file: str | None = None  # server only: the secret file (default: the same-user server's for the URL)
+
+
 class KVTierConfig(_Section):
     """The whole configuration tree. Every key, unit and default is listed in docs/configuration.md."""
 
@@ -156,6 +173,7 @@ class KVTierConfig(_Section):
     enable_kv_events: Bool = False
     kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    connector: ConnectorConfig = Field(default_factory=ConnectorConfig)
 
     @pydantic.model_validator(mode="after")
     def _block_divides_chunk(self):

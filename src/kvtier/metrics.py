@@ -47,6 +47,12 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_events_dropped_total", "counter", "KV cache events dropped because the event queue was full."),
     MetricSpec("kvtier_events_published_total", "counter", "KV cache events published."),
     MetricSpec("kvtier_client_unavailable_total", "counter", "Client calls answered as a miss because the server was unreachable."),
+    MetricSpec("kvtier_connector_errors_total", "counter", "Engine connector calls that failed with an unexpected "
+               "error (logged with its traceback, answered as a miss), by operation.", ("op",)),
+    MetricSpec("kvtier_connector_load_failed_tokens_total", "counter", "Tokens an engine connector promised but "
+               "could not load (reported to the engine, which recomputes them), by reason.", ("reason",)),
+    MetricSpec("kvtier_connector_bad_requests_total", "counter", "Requests whose kv_transfer_params the engine "
+               "connector refused (logged; served without kvtier)."),
     MetricSpec("kvtier_lease_expired_total", "counter", "Server leases that expired before the client confirmed: "
                "store reservations aborted, retrieve pins released.", ("kind",)),
 )}

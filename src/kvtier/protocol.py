@@ -44,7 +44,7 @@ import numpy as np
 from kvtier.errors import InputError
 from kvtier.hashing import as_token_array
 
-PROTOCOL_VERSION = 2  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant
+PROTOCOL_VERSION = 3  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant; 3: LookupReply.num_l1_tokens
 MAX_HEADER_BYTES = 64 << 20  # a header holds token ids, never KV; 64 MiB is ~8M tokens
 MAX_TOKENS = 8 << 20
 
@@ -166,7 +166,10 @@ class HelloReply(_Msg, tag="hello_reply"):
 
 
 class LookupReply(_Msg, tag="lookup_reply"):
+    """``num_tokens`` leading tokens held; the first ``num_l1_tokens`` of them in L1, the rest in L2 (v3)."""
+
     num_tokens: int
+    num_l1_tokens: int = 0
 
 
 class StoreSlots(_Msg, tag="store_slots"):

@@ -33,7 +33,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvtier import protocol as P
-from kvtier.backend import Fill, Retrieved
+from kvtier.backend import Fill, Retrieved, TierHits
 from kvtier.client import dataplane as D
 from kvtier.client.auth import FAILED_EVENTS, ClientAuth
 from kvtier.errors import InputError, ProtocolError
@@ -185,21 +185,23 @@ class Client:
         self._warned = False
         return True
 
-    def _roundtrip(self, msg, frames) -> tuple[object | None, list]:
-        """Send one request and wait for its reply; (None, []) when the server is gone or silent."""
+    def _roundtrip(self, msg, frames, timeout_seconds: float | None = None) -> tuple[object | None, list]:
+        """Send one request and wait for its reply (at most ``timeout_seconds``, default the client's);
+        (None, []) when the server is gone or silent."""
+        timeout = self.timeout_seconds if timeout_seconds is None else max(0.0, timeout_seconds)
         try:  # never block: a DEALER with no live peer would wait forever
             self._sock.send_multipart([P.encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._mark_down("send queue full or no connection")
             return None, []
-        deadline = time.monotonic() + self.timeout_seconds
+        deadline = time.monotonic() + timeout
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._mark_down(f"no reply within {self.timeout_seconds} s")
+                self._mark_down(f"no reply within {timeout:g} s")
                 return None, []
             ready = dict(poller.poll(int(left * 1000) + 1))
             if self._monitor in ready:
@@ -218,18 +220,21 @@ class Client:
                     return reply, parts[1:]
                 # a late reply to an earlier, abandoned request: ignore it
 
-    def _call(self, msg, frames=(), retry: bool = True) -> tuple[object | None, list]:
-        """One request with the availability rules; (None, []) means: answer as a miss."""
+    def _call(self, msg, frames=(), retry: bool = True, deadline: float | None = None) -> tuple[object | None, list]:
+        """One request with the availability rules; (None, []) means: answer as a miss. ``deadline``: a
+        ``time.monotonic()`` after which no reply is waited for."""
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.1)  # a past deadline: one short wait
         if time.monotonic() >= self._down_until:
             self._drain_monitor()
             if self._linked:
                 if self.info is None and not self._handshake():
                     return self._miss()
-                reply, payload = self._roundtrip(msg, frames)
+                reply, payload = self._roundtrip(msg, frames, timeout)
                 if isinstance(reply, P.Error) and reply.code == "no_session" and retry:
                     if not self._handshake():  # the server restarted: new session, then once more
                         return self._miss()
-                    reply, payload = self._roundtrip(msg, frames)
+                    timeout = None if deadline is None else max(deadline - time.monotonic(), 0.1)
+                    reply, payload = self._roundtrip(msg, frames, timeout)
                 if reply is None:
                     return self._miss()
                 if isinstance(reply, P.Error):
@@ -259,11 +264,17 @@ class Client:
     def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
         """Number of leading tokens of ``tokens`` whose KV the server holds (0 when it is unavailable).
         ``extra_keys``: per-block extra keys, as for ``KVCache``."""
+        return self.lookup_tiers(tokens, namespace, extra_keys=extra_keys).num_tokens
+
+    def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None) -> TierHits:
+        """``lookup`` split by tier (``KVBackend.lookup_tiers``): (0, 0) when the server is unavailable."""
         arr = as_token_array(tokens)
         with self._lock:
             reply, _ = self._call(P.Lookup(id=next(self._ids), tokens=P.pack_tokens(arr), namespace=namespace,
                                            extra_keys=extra_keys))
-        return reply.num_tokens if isinstance(reply, P.LookupReply) else 0
+        if not isinstance(reply, P.LookupReply):
+            return TierHits(0, 0)
+        return TierHits(reply.num_tokens, min(reply.num_l1_tokens, reply.num_tokens))
 
     def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
         """Store the KV of ``tokens`` (``(num_layers, 2, T, num_kv_heads, head_dim)``, layout dtype), through
@@ -332,18 +343,22 @@ class Client:
         return empty_kv(self.layout, 0)[0], 0
 
     @contextlib.contextmanager
-    def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None):
+    def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None,
+                        timeout_seconds: float | None = None):
         """``KVBackend.retrieve_chunks`` over the server: the views are the pinned L1 slots (shared memory)
         or the received frames. The client lock is held throughout the ``with`` block (one call at a time),
         so copy and leave. ``ok`` turns False when the server's lease ran out meanwhile (the slot may have
-        been reused): discard the copy. Raises InputError for bad tokens.
+        been reused) or no reply came within ``timeout_seconds`` (counted from the call): discard the copy.
+        Raises InputError for bad tokens.
         """
         arr = as_token_array(tokens)
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         got = Retrieved()
         with self._lock:
             shm = self._arena is not None
             reply, payload = self._call(P.RetrieveBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
-                                                        namespace=namespace, extra_keys=extra_keys))
+                                                        namespace=namespace, extra_keys=extra_keys),
+                                        deadline=deadline)
             ticket = 0
             if isinstance(reply, P.RetrieveSlots) and reply.slots and self._arena is not None:
                 buffers, ticket = [self._arena.view(s.offset, s.nbytes) for s in reply.slots], reply.ticket
@@ -359,7 +374,8 @@ class Client:
             finally:
                 got.chunks = []  # the views die with the pins
                 if ticket:
-                    done, _ = self._call(P.RetrieveEnd(id=next(self._ids), ticket=ticket), retry=False)
+                    done, _ = self._call(P.RetrieveEnd(id=next(self._ids), ticket=ticket), retry=False,
+                                         deadline=deadline)
                     got.ok = isinstance(done, P.Ok)
 
     def _chunk_views(self, slots, buffers) -> list:

@@ -42,6 +42,15 @@ class VLLMIdentity:
         self.hash_seed = _none_hash_seed(self.hash_algorithm)
         self.model_id = model_override or model_identity(mc.model, mc.revision, extra=_engine_model_settings(mc))
 
+    @staticmethod
+    def engine_hash_settings(vllm_config) -> dict:
+        """``hash_settings`` of an engine, without computing its model identity."""
+        ident = VLLMIdentity.__new__(VLLMIdentity)
+        ident.block_size = int(vllm_config.cache_config.block_size)
+        ident.hash_algorithm = vllm_config.cache_config.prefix_caching_hash_algo
+        ident.hash_seed = _none_hash_seed(ident.hash_algorithm)
+        return ident.hash_settings()
+
     def hash_settings(self) -> dict:
         """kvtier config keys equal to the engine's hashing (``block_size``, ``hash_algorithm``, ``hash_seed``),
         for an in-process cache and for the server handshake's ``expect``. ``hash_seed`` is left out when vLLM's

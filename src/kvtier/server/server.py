@@ -238,9 +238,9 @@ class KVTierServer:
         return None, []
 
     def _on_Lookup(self, identity, session, msg, payload):
-        num_tokens = session.cache.lookup(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
+        hits = session.cache.lookup_tiers(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                           extra_keys=msg.extra_keys)
-        return P.LookupReply(id=msg.id, num_tokens=num_tokens), []
+        return P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens), []
 
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
         tid = self._next_ticket

@@ -1,0 +1,179 @@
+"""The scheduler side of the kvtier vLLM connector: what to load and store, planned per step.
+
+``get_num_new_matched_tokens`` asks kvtier (``KVBackend.lookup_tiers``) how many leading prompt tokens it
+holds, and in which tier, and offers the part beyond vLLM's own prefix-cache hit, capped at the last whole
+block before the final prompt token (vLLM must compute at least one token) and at the request's
+``max_load_tokens``. ``get_external_cache_hit_sources`` splits the offered tokens into host (kvtier's L1)
+and disk (kvtier's L2), exactly as the lookup counted them in ``kvtier_lookup_hit_tokens_total``.
+``build_connector_meta`` turns the plan into ``LoadOp`` / ``SaveOp`` for the worker (``vllm_worker``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.connectors.vllm_config import NO_TRANSFER, RequestControls, request_controls
+from kvtier.errors import ConfigError
+
+logger = logging.getLogger("vllm.kvtier_connector")
+
+
+@dataclass
+class LoadOp:
+    """Copy tokens ``[start, end)`` of ``token_ids`` from kvtier into ``block_ids`` (the blocks of that range)."""
+    req_id: str
+    token_ids: list[int]
+    namespace: str
+    start: int
+    end: int
+    block_ids: list[int]
+    extra_keys: list | None = None  # per block of token_ids (vLLM's extra keys), None for a plain request
+
+
+@dataclass
+class SaveOp:
+    """Store chunks of ``token_ids`` (all full chunks); ``block_ids`` hold tokens ``0..len(token_ids)``."""
+    req_id: str
+    token_ids: list[int]
+    namespace: str
+    block_ids: list[int]
+    extra_keys: list | None = None
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadOp] = field(default_factory=list)
+    saves: list[SaveOp] = field(default_factory=list)
+
+
+@dataclass
+class _Lookup:
+    """What the scheduler learned about a request before its blocks were allocated."""
+    num_computed: int  # vLLM's own hit
+    end: int  # the load ends here (block-aligned)
+    hit: int  # leading tokens kvtier holds
+    l1_hit: int  # of which in kvtier's L1
+    namespace: str
+    extra_keys: list | None
+    controls: RequestControls
+
+
+@dataclass
+class _Track:
+    token_ids: list[int]
+    namespace: str
+    block_ids: list[int]
+    stored_upto: int  # tokens kvtier already holds (or that this connector already asked to store)
+    store_limit: int  # store no chunk ending after this token (the request's max_offload_tokens)
+    extra_keys: list | None = None  # per block of the prompt
+
+
+class SchedulerSide:
+    """Scheduler-side methods of ``KVTierConnector`` (mixed into it; uses its backend, sizes and ``_call``)."""
+
+    def _init_scheduler(self) -> None:
+        self._lookups: dict[str, _Lookup] = {}
+        self._loads: dict[str, tuple[int, int, int]] = {}  # req_id -> (start, end, l1 hit)
+        self._tracks: dict[str, _Track] = {}
+
+    def _controls(self, request) -> RequestControls:
+        try:
+            return request_controls(request.kv_transfer_params)
+        except ConfigError as exc:  # a request mistake must not stop the engine: served without kvtier
+            self.metrics.inc("kvtier_connector_bad_requests_total")
+            logger.error("kvtier: request %s served without kvtier (no load, no store): %s", request.request_id, exc)
+            return NO_TRANSFER
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        ns, extra = self.identity.request_keys(request)
+        controls = self._controls(request)
+        look = _Lookup(num_computed_tokens, 0, 0, 0, ns, extra, controls)
+        self._lookups[request.request_id] = look
+        if not self.can_load or self.backend is None or controls.max_load_tokens == 0:
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        hits = self._call("lookup", self.backend.lookup_tiers, tokens, default=(0, 0),
+                          **self._ns_kw(ns, extra, len(tokens)))
+        look.hit, look.l1_hit = hits[0] // self.chunk_size * self.chunk_size, min(hits[1], hits[0])
+        limit = (len(tokens) - 1) if controls.max_load_tokens is None else min(len(tokens) - 1, controls.max_load_tokens)
+        look.end = min(look.hit, limit // self.block_size * self.block_size)
+        if look.hit:
+            logger.info("kvtier: request %s: %d prompt tokens, vLLM has %d, kvtier has %d (%d in L1), loading %d",
+                        request.request_id, len(tokens), num_computed_tokens, look.hit, look.l1_hit,
+                        max(0, look.end - num_computed_tokens))
+        return max(0, look.end - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        look = self._lookups.get(request.request_id)
+        if look is not None and num_external_tokens > 0:
+            self._loads[request.request_id] = (look.end - num_external_tokens, look.end, look.l1_hit)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """Tokens ``[start, end)`` being loaded, split: those inside kvtier's L1 hit are HOST, the rest DISK."""
+        if num_external_tokens == 0:
+            return {}
+        start, end, l1_hit = self._loads.get(request.request_id, (0, num_external_tokens, 0))
+        host = max(0, min(l1_hit, end) - start)
+        split = {CacheHitSource.HOST: host, CacheHitSource.DISK: num_external_tokens - host}
+        return {source: n for source, n in split.items() if n > 0}
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = KVTierConnectorMetadata()
+        bs = self.block_size
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = list(new.prompt_token_ids or [])
+            look = self._lookups.pop(new.req_id, None) or _Lookup(0, 0, 0, 0, "", None, RequestControls())
+            limit = len(tokens) if look.controls.max_store_tokens is None else look.controls.max_store_tokens
+            track = _Track(tokens, look.namespace, list(new.block_ids[0]), look.hit, limit, look.extra_keys)
+            if new.req_id in self._loads:
+                start, end, _ = self._loads.pop(new.req_id)
+                meta.loads.append(LoadOp(new.req_id, tokens[:end], look.namespace, start, end,
+                                         track.block_ids[start // bs:end // bs], look.extra_keys))
+            self._tracks[new.req_id] = track
+            self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            track = self._tracks.get(req_id)
+            if track is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                track.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                track.block_ids.extend(new_ids[0])
+            self._plan_save(meta, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+        for req_id in scheduler_output.finished_req_ids:
+            self._tracks.pop(req_id, None)
+        return meta
+
+    def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, computed_end: int) -> None:
+        track = self._tracks[req_id]
+        c = self.chunk_size
+        last = min(len(track.token_ids), track.store_limit) // c * c
+        end = min(computed_end, last) // c * c
+        if self.can_store and self.backend is not None and end > track.stored_upto:
+            nb = -(-end // self.block_size)
+            meta.saves.append(SaveOp(req_id, track.token_ids[:end], track.namespace, track.block_ids[:nb],
+                                     track.extra_keys))
+            track.stored_upto = end
+        if track.stored_upto >= last or not self.can_store:
+            self._tracks.pop(req_id, None)  # nothing more to store for this prompt
+
+    def request_finished(self, request, block_ids):
+        self._tracks.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        return False, None  # saves are synchronous: the blocks may be freed at once
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvtier keeps its data (it is shared with other
+        engines and survives restarts; its keys carry the model identity, so changed weights never hit old
+        KV). Returns False, vLLM's "not reset"; clear kvtier itself with ``kvtier`` admin ``/clear``."""
+        logger.warning("kvtier: vLLM asked the connector to reset its cache; kvtier keeps its data (shared with "
+                       "other engines, keyed by model identity). To drop it, POST /clear to the kvtier server's "
+                       "admin port (or delete the in-process cache's L2 folder)")
+        return False

@@ -1,0 +1,175 @@
+"""The worker side of the kvtier vLLM connector: one load path and one save path over ``KVBackend``.
+
+Load: ``retrieve_chunks`` (pinned L1 slots, shared-memory slots or received frames) with the request's
+deadline (``connector.load_timeout_seconds``); each chunk is copied straight into vLLM's blocks, or, with
+``use_layerwise``, into a staging tensor that ``wait_for_layer_load`` scatters layer by layer. Blocks that
+did not load (a miss, a server gone or silent past the deadline, an expired pin, an L2 read error) are
+reported by ``get_block_ids_with_load_errors`` and vLLM recomputes exactly those.
+
+Save: ``store_chunks``, whose ``fill`` copies each missing chunk straight from vLLM's blocks (or, with
+``use_layerwise``, from the tensor ``save_kv_layer`` filled) into the cache's slot. Nothing waits for L2.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvtier.connectors.vllm_layout import (
+    as_torch,
+    block_views,
+    check_paged_shape,
+    gather_chunk,
+    gather_layer,
+    layer_order,
+    scatter_chunk,
+    scatter_layer,
+)
+from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, LoadOp, SaveOp
+from kvtier.errors import KVTierError
+
+logger = logging.getLogger("vllm.kvtier_connector")
+
+
+class WorkerSide:
+    """Worker-side methods of ``KVTierConnector`` (mixed into it; uses its backend, sizes and ``_call``)."""
+
+    def _init_worker(self) -> None:
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._blocks: list[torch.Tensor] = []
+        self._layer_loads: list[tuple[torch.Tensor, LoadOp, int]] = []  # (tokens [start, ok_end), op, ok_end)
+        self._layer_saves: list[tuple[torch.Tensor, SaveOp]] = []
+        self._load_errors: set[int] = set()
+        self._worker_events: list = []
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        names = layer_order(kv_caches)
+        if len(names) != self.layout.num_layers:
+            raise KVTierError(f"vLLM registered {len(names)} KV cache layers, the model config says "
+                              f"{self.layout.num_layers}; hybrid or cross-attention models are not supported")
+        for name in names:
+            check_paged_shape(kv_caches[name], self.layout, self.block_size, name)
+        self._kv_caches = {name: kv_caches[name] for name in names}
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._blocks = block_views(self._kv_caches.values())
+        self._torch_dtype = getattr(torch, self.layout.dtype)
+
+    # ---- load ----------------------------------------------------------------------------------
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        self._layer_loads = []
+        if not isinstance(meta, KVTierConnectorMetadata):
+            return
+        for op in meta.loads:
+            started = time.monotonic()
+            ok_end = self._call("retrieve", self._load, op, started + self.load_timeout_seconds, default=op.start)
+            if ok_end < op.end:  # fewer tokens than promised: vLLM recomputes these blocks
+                late = time.monotonic() - started > self.load_timeout_seconds
+                self.metrics.inc("kvtier_connector_load_failed_tokens_total", op.end - ok_end,
+                                 reason="deadline" if late else "miss")
+                self._load_errors.update(op.block_ids[(ok_end - op.start) // self.block_size:])
+                logger.warning("kvtier: request %s: loaded %d of %d promised tokens (%s); vLLM recomputes the rest",
+                               op.req_id, ok_end - op.start, op.end - op.start,
+                               f"past the {self.load_timeout_seconds:g} s deadline" if late else "not available")
+            logger.debug("kvtier: request %s: loaded tokens [%d, %d) of [%d, %d) in %.4f s", op.req_id, op.start,
+                         ok_end, op.start, op.end, time.monotonic() - started)
+
+    def _load(self, op: LoadOp, deadline: float) -> int:
+        """Copy the chunks covering ``[op.start, op.end)`` into vLLM's blocks (or stage them for a layerwise
+        load); returns the end of what loaded (``op.start``: nothing usable)."""
+        if self.backend is None:  # the scheduler planned a load this worker cannot do
+            return op.start
+        bs = self.block_size
+        staged = None
+        with self.backend.retrieve_chunks(op.token_ids, timeout_seconds=max(0.0, deadline - time.monotonic()),
+                                          **self._op_kw(op)) as got:
+            ok_end = max(op.start, min(got.num_tokens, op.end) // bs * bs)
+            if self.layerwise and ok_end > op.start:
+                staged = torch.empty(self.layout.chunk_shape(ok_end - op.start), dtype=self._torch_dtype)
+            for start, view in got.chunks:
+                lo, hi = max(start, op.start), min(start + view.shape[2], ok_end)
+                if lo >= hi:
+                    continue
+                chunk = as_torch(view, self._torch_dtype)
+                if staged is not None:
+                    staged[:, :, lo - op.start:hi - op.start].copy_(chunk[:, :, lo - start:hi - start])
+                else:
+                    scatter_chunk(self._blocks, op.block_ids[(lo - op.start) // bs:(hi - op.start) // bs],
+                                  chunk, lo - start, hi - start)
+        if not got.ok:  # a miss, or the pin ran out while copying: nothing copied is trustworthy
+            return op.start
+        if staged is not None:
+            self._layer_loads.append((staged, op, ok_end))
+        return ok_end
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        for staged, op, ok_end in self._layer_loads:
+            scatter_layer(self._kv_caches[layer_name], op.block_ids, self.block_size, staged[i])
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- save ----------------------------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        if not self.layerwise or self.backend is None:
+            return
+        meta = self._get_connector_metadata()
+        i = self._layer_index.get(layer_name)
+        if i is None or not isinstance(meta, KVTierConnectorMetadata) or not meta.saves:
+            return
+        if not self._layer_saves:
+            self._layer_saves = [(torch.empty(self.layout.chunk_shape(len(op.token_ids)), dtype=kv_layer.dtype), op)
+                                 for op in meta.saves]
+        for buf, op in self._layer_saves:
+            gather_layer(kv_layer, op.block_ids, self.block_size, len(op.token_ids), out=buf[i])
+
+    def wait_for_save(self):
+        meta = self._connector_metadata
+        self._layer_loads = []
+        staged, self._layer_saves = self._layer_saves, []
+        if not isinstance(meta, KVTierConnectorMetadata) or self.backend is None or not meta.saves:
+            return
+        started = time.perf_counter()
+        sources = staged if self.layerwise else [(None, op) for op in meta.saves]
+        for buf, op in sources:
+            self._call("store", self.backend.store_chunks, op.token_ids, self._filler(op, buf), default=0,
+                       **self._op_kw(op))
+        logger.debug("kvtier: stored new chunks of %d requests in %.4f s", len(sources), time.perf_counter() - started)
+        self._worker_events.extend(to_vllm_events(self._call("take_events", self.backend.take_events, default=[])))
+
+    def _filler(self, op: SaveOp, staged: torch.Tensor | None):
+        """``fill(start, dst)`` for ``store_chunks``: from vLLM's blocks, or from the layerwise staging tensor."""
+        bs, dtype = self.block_size, self._torch_dtype
+
+        def from_blocks(start: int, dst) -> None:
+            gather_chunk(self._blocks, op.block_ids[start // bs:], as_torch(dst, dtype))
+
+        def from_staged(start: int, dst) -> None:
+            as_torch(dst, dtype).copy_(staged[:, :, start:start + dst.shape[2]])
+
+        return from_blocks if staged is None else from_staged
+
+
+def to_vllm_events(events) -> list:
+    """kvtier events (``kvtier.events.model``) as vLLM's ``kv_events`` structs (same field names)."""
+    from vllm.distributed import kv_events as ve
+
+    out = []
+    for ev in events or []:
+        name = type(ev).__name__
+        if name == "BlockStored":
+            out.append(ve.BlockStored(block_hashes=ev.block_hashes, parent_block_hash=ev.parent_block_hash,
+                                      token_ids=ev.token_ids, block_size=ev.block_size, lora_id=ev.lora_id,
+                                      medium=ev.medium, lora_name=ev.lora_name, extra_keys=ev.extra_keys))
+        elif name == "BlockRemoved":
+            out.append(ve.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium))
+        elif name == "AllBlocksCleared":
+            out.append(ve.AllBlocksCleared())
+    return out
