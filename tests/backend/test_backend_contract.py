@@ -8,7 +8,10 @@ import pytest
 import torch
 from support.server import CHUNK, LAYOUT
 
-from kvtier.backend import KVBackend, Retrieved
+from conftest import ADMIN_TOKEN
+
+from kvtier.backend import KVBackend, Retrieved, TierHits
+from kvtier.cache import KVCache
 from kvtier.errors import InputError
 
 DTYPE = LAYOUT.numpy_dtype()
@@ -160,3 +163,32 @@ def test_bad_tokens_raise_input_error(backend, bad):
     with pytest.raises(InputError):
         with backend.retrieve_chunks(bad):
             pass
+
+
+def clear_l1(backend) -> None:
+    """Drop L1 only (kvtier admin operation; the server's needs its admin token)."""
+    if isinstance(backend, KVCache):
+        backend.clear("CPU")
+    else:
+        backend.clear("CPU", admin_token=ADMIN_TOKEN)
+
+
+def test_lookup_tiers_splits_l1_and_l2(backend):
+    tokens = prompt(13, 2 * CHUNK + 7)
+    assert backend.lookup_tiers(tokens) == TierHits(0, 0)
+    backend.store_chunks(tokens, Recorder(kv_of(13, len(tokens))))
+    assert backend.lookup_tiers(tokens) == TierHits(2 * CHUNK, 2 * CHUNK)  # just stored: in L1
+    assert backend.flush(timeout_seconds=30.0) is True
+    clear_l1(backend)
+    assert backend.lookup_tiers(tokens) == TierHits(2 * CHUNK, 0)  # now only L2 holds them
+    assert backend.lookup(tokens) == 2 * CHUNK
+    got, _ = read_all(backend, tokens[:CHUNK + 1])  # retrieving promotes the first chunk into L1
+    assert got.ok and got.num_tokens == CHUNK
+    assert backend.lookup_tiers(tokens) == TierHits(2 * CHUNK, CHUNK)
+
+
+def test_retrieve_chunks_within_a_timeout(backend):
+    tokens = prompt(14, CHUNK)
+    backend.store_chunks(tokens, Recorder(kv_of(14, len(tokens))))
+    got, copies = read_all(backend, tokens, timeout_seconds=30.0)
+    assert got.ok and got.num_tokens == CHUNK and len(copies) == 1

@@ -84,25 +84,108 @@ def wait_healthy(server, url: str, what: str, timeout_s: float) -> None:
 
 class KVTierServer:
     """A ``kvtier server`` subprocess with ``chunk_size`` tokens per chunk, hashing per ``block_size`` (vLLM CPU's
-    block size: the connector refuses a server that hashes otherwise), on free 127.0.0.1 ports."""
+    block size: the connector refuses a server that hashes otherwise), on free 127.0.0.1 ports (or ``port`` and
+    ``admin_port``, to restart a server where its clients expect it). ``l2``: an L2 adapter spec; ``token``: the
+    admin token (for ``clear_l1``)."""
 
-    def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB", block_size: int = 128):
-        self.port, self.admin_port = free_port(), free_port()
+    def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB", block_size: int = 128, *,
+                 port: int | None = None, admin_port: int | None = None, l2: dict | None = None,
+                 token: str | None = None):
+        self.port, self.admin_port = port or free_port(), admin_port or free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"kvtier-server-{self.port}.log"
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        self.token = token
+        self.log_path = log_dir / f"kvtier-server-{self.port}-{time.monotonic_ns()}.log"
         argv = [sys.executable, "-m", "kvtier", "server", "--port", str(self.port), "--admin-port",
                 str(self.admin_port), "--l1-size-gb", l1, "--eviction-policy", "LRU", "--chunk-size", str(chunk_size),
                 "--block-size", str(block_size)]
+        if l2 is not None:
+            argv += ["--l2-adapter", json.dumps(l2)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        if token:
+            env["KVTIER_ADMIN_TOKEN"] = token
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        wait_healthy(self, f"http://127.0.0.1:{self.admin_port}/healthz", "kvtier server", 60)
+        wait_healthy(self, f"{self.admin}/healthz", "kvtier server", 60)
 
     def stats(self) -> dict:
-        return httpx.get(f"http://127.0.0.1:{self.admin_port}/status", timeout=10).json()
+        return httpx.get(f"{self.admin}/status", timeout=10).json()
+
+    def metrics_text(self) -> str:
+        return httpx.get(f"{self.admin}/metrics", timeout=10).text
+
+    def clear_l1(self) -> None:
+        resp = httpx.post(f"{self.admin}/clear", json={"medium": "CPU"}, timeout=30,
+                          headers={"Authorization": f"Bearer {self.token}"})
+        resp.raise_for_status()
 
     def stop(self) -> None:
         stop_process(self.proc, 30)
+
+
+class OpenAIServer:
+    """``python -m vllm.entrypoints.openai.api_server`` (SmolLM2, fp32, vLLM's own prefix cache off) with the
+    kvtier connector configured by ``extra`` (``kv_connector_extra_config``); dev endpoints on (for
+    ``/reset_prefix_cache``). Stopped by pid."""
+
+    def __init__(self, work: Path, extra: dict):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cfg = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
+               "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        argv = [require_vllm(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
+                "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(self.port), "--dtype",
+                "float32", "--enforce-eager", "--max-model-len", "4096", "--no-enable-prefix-caching",
+                "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(cfg)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_SERVER_DEV_MODE="1")
+        self.log_path = work / f"openai-{self.port}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"vLLM exited:\n{self.log_path.read_text()[-4000:]}"
+            try:
+                if httpx.get(self.base + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise AssertionError("vLLM not ready after 600 s")
+
+    def complete(self, prompt: list[int], kv_transfer_params: dict | None = None, max_tokens: int = 4) -> dict:
+        """A greedy completion with the top-3 logprobs; a hang fails the caller (120 s HTTP timeout)."""
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 3}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        resp = httpx.post(self.base + "/v1/completions", json=body, timeout=120)
+        resp.raise_for_status()
+        return resp.json()
+
+    def metrics_text(self) -> str:
+        return httpx.get(self.base + "/metrics", timeout=10).text
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        stop_process(self.proc, 60)
+
+
+def cached_tokens(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def assert_same_reply(got: dict, want: dict, label: str) -> None:
+    """Same greedy text, and the same top-3 tokens with log-probabilities within TOLERANCE, per step."""
+    g, w = got["choices"][0], want["choices"][0]
+    assert g["text"] == w["text"], f"{label}: greedy text differs: {g['text']!r} vs {w['text']!r}"
+    for step, (gt, wt) in enumerate(zip(g["logprobs"]["top_logprobs"], w["logprobs"]["top_logprobs"])):
+        assert gt.keys() == wt.keys(), f"{label}: step {step} top tokens {sorted(gt)} != {sorted(wt)}"
+        for tok, value in wt.items():
+            assert abs(gt[tok] - value) <= TOLERANCE, f"{label}: step {step} token {tok!r}: {gt[tok]} vs {value}"
 
 
 def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | None = None, role: str = "kv_both",
@@ -230,3 +313,19 @@ def run_vllm_lmcache(work: Path, name: str, prompts: list[list[int]], server: LM
     """``run_vllm`` with LMCache's environment and vLLM's ``LMCacheMPConnector`` talking to ``server``."""
     return run_vllm(work, name, prompts, kvtier=server.extra_config(), env_extra=server.worker_env(),
                     driver=[str(LMCACHE_PYTHON), "-c", LMCACHE_DRIVER, str(OFFLINE)], **kw)
+
+
+def metric_sum(text: str, name: str, **labels) -> float:
+    """Sum of the Prometheus series ``name`` in exposition ``text`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        metric, _, label_text = series.partition("{")
+        if metric != name:
+            continue
+        found = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if part) if label_text else {}
+        if all(found.get(k, "").strip('"') == str(v) for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -1,0 +1,118 @@
+"""The vLLM connector's contract with vLLM 0.32, against a real OpenAI server (SmolLM2, fp32) and kvtier server:
+
+* per-tier hit reporting: vLLM's ``vllm:prompt_tokens_cached_by_source`` (host, disk) equals kvtier's
+  ``kvtier_lookup_hit_tokens_total`` (CPU = L1, STORAGE = L2) exactly over a scripted run of 20 requests;
+* per-request controls through ``kv_transfer_params``; an unknown kvtier key is refused by name;
+* ``reset_prefix_cache`` with the connector keeps kvtier's data, and says so.
+
+vLLM's own prefix cache is off, so every cached token reported by vLLM came from kvtier. Prompts of 700 tokens
+hold two whole 256-token chunks: a hit loads 512 tokens (whole 128-token blocks before the last prompt token).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from support.server import wait_for
+from test_vllm_support import (
+    KVTierServer,
+    OpenAIServer,
+    assert_same_reply,
+    cached_tokens,
+    document_tokens,
+    metric_sum,
+    model_dir,
+)
+
+pytestmark = pytest.mark.model
+TOKEN = "vllm-tiers-admin"
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return document_tokens(model_dir())
+
+
+@pytest.fixture(scope="module")
+def kvtier(tmp_path_factory):
+    work = tmp_path_factory.mktemp("tiers")
+    srv = KVTierServer(work, chunk_size=256, l2={"type": "local_disk", "path": str(work / "l2")}, token=TOKEN)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm(kvtier, tmp_path_factory):
+    srv = OpenAIServer(tmp_path_factory.mktemp("tiers-vllm"), {"kvtier.server_url": kvtier.url,
+                                                                "kvtier.timeout_seconds": 5})
+    yield srv
+    srv.stop()
+
+
+def by_source(vllm) -> dict[str, int]:
+    text = vllm.metrics_text()
+    return {s: int(metric_sum(text, "vllm:prompt_tokens_cached_by_source_total", source=s))
+            for s in ("host", "disk", "external_unspecified")}
+
+
+def by_medium(kvtier) -> dict[str, int]:
+    text = kvtier.metrics_text()
+    return {m: int(metric_sum(text, "kvtier_lookup_hit_tokens_total", medium=m)) for m in ("CPU", "STORAGE")}
+
+
+def test_per_tier_hits_agree_with_kvtier_over_20_requests(vllm, kvtier, ids):
+    prompts = [ids[i * 700:(i + 1) * 700] for i in range(7)]
+    replies: dict[int, list] = {i: [] for i in range(7)}
+
+    def run(indices):
+        for i in indices:
+            replies[i].append(vllm.complete(prompts[i]))
+
+    run(range(5))  # 5 misses: stored in L1, written through to L2
+    run(range(5))  # 5 L1 hits
+    wait_for(lambda: metric_sum(kvtier.metrics_text(), "kvtier_l2_writes_total") >= 10, 60, "10 chunks in L2")
+    kvtier.clear_l1()
+    run(range(5))  # 5 L2 hits (promoted into L1 by the load)
+    run([0, 1, 2, 5, 6])  # 3 L1 hits (promoted) and 2 misses
+    want = {"host": 8 * 512, "disk": 5 * 512, "external_unspecified": 0}
+    # vLLM's Prometheus counters follow the responses by a logging step: wait until every hit is counted
+    wait_for(lambda: sum(by_source(vllm).values()) >= sum(want.values()), 30, "vLLM's hit counters")
+    got_vllm, got_kvtier = by_source(vllm), by_medium(kvtier)
+    print(f"\nper-tier hits over 20 requests: vLLM {got_vllm}, kvtier {got_kvtier}")
+    assert got_vllm == want
+    assert (got_kvtier["CPU"], got_kvtier["STORAGE"]) == (got_vllm["host"], got_vllm["disk"])
+    for i, answers in replies.items():
+        for n, reply in enumerate(answers[1:], 1):
+            assert_same_reply(reply, answers[0], f"prompt {i} request {n}")
+    assert [cached_tokens(r) for r in replies[0]] == [0, 512, 512, 512]
+
+
+def test_per_request_controls(vllm, ids):
+    base = ids[7000:7700]
+    cold = vllm.complete(base, {"kvtier.skip_store": True})
+    assert cached_tokens(vllm.complete(base)) == 0, "skip_store: nothing was stored"
+    assert cached_tokens(vllm.complete(base, {"max_load_tokens": 0})) == 0, "max_load_tokens 0: no load"
+    assert cached_tokens(vllm.complete(base, {"kvtier.skip_load": True})) == 0
+    limited = vllm.complete(base, {"max_load_tokens": 300})
+    assert cached_tokens(limited) == 256  # whole 128-token blocks within the first 300 tokens
+    assert_same_reply(limited, cold, "max_load_tokens 300")
+    other = ids[8000:8700]
+    vllm.complete(other, {"max_offload_tokens": 256})  # stores the first chunk only
+    assert cached_tokens(vllm.complete(other, {"kvtier.skip_store": True})) == 256
+    bad = vllm.complete(ids[9000:9700], {"kvtier.skip_stor": True})
+    assert cached_tokens(bad) == 0
+    assert "unknown kvtier key 'kvtier.skip_stor' in kv_transfer_params; did you mean 'kvtier.skip_store'" in vllm.log()
+    assert cached_tokens(vllm.complete(ids[9000:9700])) == 0, "a refused request is neither loaded nor stored"
+
+
+def test_reset_prefix_cache_keeps_kvtier_data(vllm, ids):
+    prompt = ids[10000:10700]
+    first = vllm.complete(prompt)
+    assert cached_tokens(vllm.complete(prompt)) == 512
+    resp = httpx.post(vllm.base + "/reset_prefix_cache", params={"reset_external": "true"}, timeout=60)
+    resp.raise_for_status()
+    assert resp.json().get("success") is False  # vLLM's answer: the connector did not reset
+    assert "kvtier keeps its data" in vllm.log()
+    again = vllm.complete(prompt)
+    assert cached_tokens(again) == 512
+    assert_same_reply(again, first, "after reset_prefix_cache")
