@@ -16,7 +16,8 @@ Exchanges:
   * ``Hello`` -> ``HelloReply`` (chunk and block size, hash algorithm and seed, data plane, lease, tenant) or
     ``Error``. A tenant's session gets no shared memory, and every namespace it names is mixed with its
     tenant (``keys.tenant_namespace``).
-  * ``Lookup`` -> ``LookupReply(num_tokens)``.
+  * ``Lookup`` -> ``LookupReply(num_tokens, num_l1_tokens)``: leading tokens held, the first
+    ``num_l1_tokens`` of them in L1 and the rest in L2 (version 3; ``KVBackend.lookup_tiers``).
   ``Lookup``, ``StoreBegin`` and ``RetrieveBegin`` carry the prompt's ``tokens`` and, optionally, its per-block
   ``extra_keys`` (one entry per block of ``block_size`` tokens, a trailing partial block included: null or an
   array of keys; a key is a str, bin, int, null or an array of those; see ``kvtier.identity.check_extra_keys``).
