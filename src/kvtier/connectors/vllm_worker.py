@@ -63,11 +63,13 @@ class WorkerSide:
         self._layer_loads = []
         if not isinstance(meta, KVTierConnectorMetadata):
             return
+        step_started = time.monotonic()
+        deadline = step_started + self.load_timeout_seconds  # one deadline for the step's loads: none waits longer
         for op in meta.loads:
             started = time.monotonic()
-            ok_end = self._call("retrieve", self._load, op, started + self.load_timeout_seconds, default=op.start)
+            ok_end = self._call("retrieve", self._load, op, deadline, default=op.start)
             if ok_end < op.end:  # fewer tokens than promised: vLLM recomputes these blocks
-                late = time.monotonic() - started > self.load_timeout_seconds
+                late = time.monotonic() > deadline
                 self.metrics.inc("kvtier_connector_load_failed_tokens_total", op.end - ok_end,
                                  reason="deadline" if late else "miss")
                 self._load_errors.update(op.block_ids[(ok_end - op.start) // self.block_size:])
@@ -80,7 +82,7 @@ class WorkerSide:
     def _load(self, op: LoadOp, deadline: float) -> int:
         """Copy the chunks covering ``[op.start, op.end)`` into vLLM's blocks (or stage them for a layerwise
         load); returns the end of what loaded (``op.start``: nothing usable)."""
-        if self.backend is None:  # the scheduler planned a load this worker cannot do
+        if self.backend is None or time.monotonic() >= deadline:  # no backend here, or no time left this step
             return op.start
         bs = self.block_size
         staged = None
