@@ -88,7 +88,7 @@ def test_per_tier_hits_agree_with_kvtier_over_20_requests(vllm, kvtier, ids):
 
 
 def test_per_request_controls(vllm, ids):
-    base = ids[7000:7700]
+    base = ids[4900:5600]
     cold = vllm.complete(base, {"kvtier.skip_store": True})
     assert cached_tokens(vllm.complete(base)) == 0, "skip_store: nothing was stored"
     assert cached_tokens(vllm.complete(base, {"max_load_tokens": 0})) == 0, "max_load_tokens 0: no load"
@@ -96,17 +96,17 @@ def test_per_request_controls(vllm, ids):
     limited = vllm.complete(base, {"max_load_tokens": 300})
     assert cached_tokens(limited) == 256  # whole 128-token blocks within the first 300 tokens
     assert_same_reply(limited, cold, "max_load_tokens 300")
-    other = ids[8000:8700]
+    other = ids[5600:6300]
     vllm.complete(other, {"max_offload_tokens": 256})  # stores the first chunk only
     assert cached_tokens(vllm.complete(other, {"kvtier.skip_store": True})) == 256
-    bad = vllm.complete(ids[9000:9700], {"kvtier.skip_stor": True})
+    bad = vllm.complete(ids[6300:7000], {"kvtier.skip_stor": True})
     assert cached_tokens(bad) == 0
     assert "unknown kvtier key 'kvtier.skip_stor' in kv_transfer_params; did you mean 'kvtier.skip_store'" in vllm.log()
-    assert cached_tokens(vllm.complete(ids[9000:9700])) == 0, "a refused request is neither loaded nor stored"
+    assert cached_tokens(vllm.complete(ids[6300:7000])) == 0, "a refused request is neither loaded nor stored"
 
 
 def test_reset_prefix_cache_keeps_kvtier_data(vllm, ids):
-    prompt = ids[10000:10700]
+    prompt = ids[7000:7658]
     first = vllm.complete(prompt)
     assert cached_tokens(vllm.complete(prompt)) == 512
     resp = httpx.post(vllm.base + "/reset_prefix_cache", params={"reset_external": "true"}, timeout=60)
