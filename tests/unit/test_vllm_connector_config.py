@@ -92,3 +92,9 @@ def test_request_controls():
 def test_bad_request_controls(params, message):
     with pytest.raises(ConfigError, match=message):
         request_controls(params)
+
+
+def test_chunk_size_must_be_a_multiple_of_the_engine_block_size():
+    with pytest.raises(ConfigError, match="kvtier chunk_size 200 is not a multiple of vLLM's block size 128; use one "
+                                          "of 128, 256, 384, 512"):
+        config({"kvtier.chunk_size": 200})

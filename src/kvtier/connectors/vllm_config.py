@@ -69,6 +69,13 @@ def connector_config(extra: dict[str, Any] | None, engine: dict[str, Any], envir
     disk = data.get("connector", {}).get("local_disk")
     if disk:
         data["l2_adapters"] = [{"type": "local_disk", "path": str(disk)}, *data.get("l2_adapters", [])]
+    if "chunk_size" in data and "block_size" in engine:  # say it in vLLM's terms, with sizes that work
+        try:
+            size = int(data["chunk_size"])
+        except (TypeError, ValueError):
+            size = None  # not a number: the tree's validation says so
+        if size is not None:
+            check_chunk_size(size, int(engine["block_size"]))
     data.update(engine)
     try:
         return load_config(overrides=data, environ=environ)
