@@ -194,3 +194,30 @@ def test_a_stalled_client_discards_late_copies(tmp_path, monkeypatch):
         assert metric_value(server.metrics_text(), "kvtier_lease_expired_total", kind="retrieve") == 1
         out, n = client.retrieve(tokens)
         assert n == 2 * CHUNK and torch.equal(out, kv)
+
+
+def test_retrieve_gives_up_at_its_timeout_on_a_stopped_server(tmp_path):
+    """A server stopped (SIGSTOP) while a client retrieves: the retrieve answers a miss at its own
+    ``timeout_seconds``, far below the client's 600 s (a wait for that would fail the test); the client
+    works again once the server continues."""
+    with ServerProc(tmp_path) as server:
+        client = Client(server.url, model="m", layout=LAYOUT, timeout_seconds=600, retry_after_seconds=0.2)
+        try:
+            tokens = list(range(70, 70 + 2 * CHUNK))
+            kv = kv_for(tokens, 9)
+            assert client.store(tokens, kv) == 2
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                with client.retrieve_chunks(tokens, timeout_seconds=0.5) as got:
+                    assert (got.num_tokens, got.chunks) == (0, [])
+                assert got.ok is False
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert client.metrics.value("kvtier_client_unavailable_total") >= 1
+            wait_for(client.ping, what="the client to reach the server again")
+            with client.retrieve_chunks(tokens, timeout_seconds=30) as got:
+                copies = [view.copy() for _, view in got.chunks]
+            assert got.ok and got.num_tokens == 2 * CHUNK
+            assert torch.equal(torch.from_numpy(copies[0]), kv[:, :, :CHUNK])
+        finally:
+            client.close()
