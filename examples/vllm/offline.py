@@ -49,7 +49,8 @@ def main(argv=None) -> int:
 
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-            kv_role=args.role, kv_connector_extra_config=json.loads(args.kvtier))
+            kv_role=args.role, kv_load_failure_policy="recompute",  # a failed kvtier load is recomputed
+            kv_connector_extra_config=json.loads(args.kvtier))
     if args.kv_events:
         from vllm.config import KVEventsConfig
 
