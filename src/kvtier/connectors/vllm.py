@@ -95,7 +95,7 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._events: KVTierEvents | None = None
         self._init_scheduler()
         self._init_worker()
-        if self.can_load and getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
+        if self.can_load and tc.kv_load_failure_policy != "recompute":
             logger.warning("kvtier: kv_load_failure_policy is %r: a kvtier load that fails (server gone, L2 error, "
                            "deadline) fails the request; set \"kv_load_failure_policy\": \"recompute\" so vLLM "
                            "recomputes those blocks instead", tc.kv_load_failure_policy)
