@@ -113,6 +113,14 @@ class Subscriber:
     def gaps(self) -> list[Gap]:
         return self.stats.gaps
 
+    def use_secret_file(self, secret_file: str) -> None:
+        """Authenticate later replay requests with ``secret_file`` (e.g. one the server created after this
+        subscriber started). Raises ConfigError: the file is missing, unsafe or malformed."""
+        self._creds = read_credentials(secret_file)
+        if self._dealer is not None:
+            self._dealer.close()
+            self._dealer = None
+
     def drop_next(self, num_frames: int) -> None:
         """Fault injection: discard the next ``num_frames`` live messages, as a lossy network would."""
         self._drop += num_frames
@@ -235,6 +243,11 @@ class Subscriber:
         if got is None:
             if last is not None:
                 self._gap(first, last, f"replay did not answer within {self.replay_timeout_s} s")
+            else:  # the publisher is not up yet: the first live batch asks for seqs from ``first`` again
+                log.warning("KV events: replay %s did not answer within %s s; catching up from seq %d once the "
+                            "publisher is back", self.replay_endpoint, self.replay_timeout_s, first)
+                if self._last is None:
+                    self._last = first - 1
             return
         expected = first
         for seq, payload in sorted(got):

@@ -1,0 +1,285 @@
+"""What a shared ``kvtier server`` holds, as KV events of one engine: the connector's server-event feed.
+
+A router such as NVIDIA Dynamo's takes exactly one KV event source per worker (the engine's own ZMQ stream;
+a second source for the same worker makes it ignore that worker), so a worker attached to a kvtier server
+must announce the server's chunks *inside its own stream*. ``ServerFeed`` subscribes to the server's event
+publisher (``kvtier.events.Subscriber``: replay of what was published before it started, gap recovery,
+restart detection) and keeps a mirror of the blocks the server holds per medium (``CPU`` = L1, ``STORAGE``
+= L2). The connector drains ``take_events()`` from vLLM's scheduler (``KVConnectorBase_V1.take_events``), so
+the events leave in the engine's own batches with the engine's block size and integer hashes; the server
+hashes with the engine's settings (the connector's handshake checks that), so the hashes need no change.
+
+Rules (why):
+
+- Each block hash is forwarded once per medium while the server holds it: the server publishes one
+  ``BlockStored`` per stored copy (several workers or namespaces storing the same prefix) but a
+  ``BlockRemoved`` only once no copy in that medium holds the block (``kvtier.events.emitter``), so a
+  store of a held block is skipped and a removal forgets the block.
+- Blocks whose ``block_size`` is not the engine's (a partial last block) are dropped: the router drops
+  them too and would then see a broken parent chain.
+- The engine's ``AllBlocksCleared`` (``reset_prefix_cache``) wipes *every* tier of the worker in the router,
+  but kvtier keeps its data: ``reannounce()`` queues a ``BlockStored`` for every mirrored block. The
+  connector calls it from ``reset_cache()`` (the events then leave in the same batch, after the clear);
+  without a connector reset, a watcher on the engine's own stream sees the clear and re-announces.
+- The server's own ``AllBlocksCleared`` and a server restart become ``BlockRemoved`` for the mirrored
+  blocks of that server, never ``AllBlocksCleared`` (which would also wipe the engine's GPU tier).
+- A server restart is recognised when its sequence numbers start again below the last one seen (the
+  subscriber's rule); the old server's blocks are then removed.
+- A feed started after the server replays the server's buffer from seq 0 (``kv_events.buffer_steps``
+  batches), so a new worker announces what the server already holds; a server that is down at start is
+  caught up from seq 0 when it answers.
+
+Events leave at the engine's next step: vLLM publishes connector events only when a step produces output
+(``Scheduler.update_from_output``), so an idle engine holds them until its next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass
+
+from kvtier.auth import secret_file_for
+from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvtier.events.subscriber import Subscriber
+
+log = logging.getLogger("vllm.kvtier_connector")
+MEDIUMS = ("CPU", "STORAGE")
+_WILDCARD = re.compile(r"^tcp://(\*|0\.0\.0\.0|\[::\]|::):")
+
+
+@dataclass
+class _Block:
+    parent: int | None
+    token_ids: list[int]
+    extra_key: object
+    lora_name: str | None
+
+
+class BlockMirror:
+    """Blocks one kvtier server holds per medium, fed with its events; emits the engine-side events.
+
+    Not thread-safe: ``ServerFeed`` serialises the calls.
+    """
+
+    def __init__(self, block_size: int, mediums=MEDIUMS) -> None:
+        self.block_size = block_size
+        self.mediums = tuple(mediums)
+        self.blocks: dict[str, dict[int, _Block]] = {m: {} for m in self.mediums}
+        self.dropped_blocks = 0  # partial blocks or other block sizes, never forwarded
+
+    def apply(self, events: list[Event]) -> list[Event]:
+        """Apply the server's events in order; return the events the engine must publish for them."""
+        out: list[Event] = []
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared):
+                out += self.forget()
+            elif ev.medium not in self.blocks:
+                continue
+            elif isinstance(ev, BlockStored):
+                out += self._stored(ev)
+            elif isinstance(ev, BlockRemoved):
+                out += self._removed(ev)
+        return out
+
+    def _stored(self, ev: BlockStored) -> list[Event]:
+        if ev.block_size != self.block_size or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+            self.dropped_blocks += len(ev.block_hashes)
+            return []
+        held, bs, out = self.blocks[ev.medium], ev.block_size, []
+        run: list[int] = []
+        parent = ev.parent_block_hash
+        for i, h in enumerate(ev.block_hashes):
+            prev = ev.block_hashes[i - 1] if i else ev.parent_block_hash
+            if h in held:
+                if run:
+                    out.append(self._event(ev.medium, run, parent))
+                    run = []
+                continue
+            if not run:
+                parent = prev
+            extra = ev.extra_keys[i] if ev.extra_keys is not None and i < len(ev.extra_keys) else None
+            held[h] = _Block(prev, list(ev.token_ids[i * bs:(i + 1) * bs]), extra, ev.lora_name)
+            run.append(h)
+        if run:
+            out.append(self._event(ev.medium, run, parent))
+        return out
+
+    def _removed(self, ev: BlockRemoved) -> list[Event]:
+        held, gone = self.blocks[ev.medium], []
+        for h in ev.block_hashes:
+            if held.pop(h, None) is not None:
+                gone.append(h)
+        return [BlockRemoved(gone, ev.medium)] if gone else []
+
+    def _event(self, medium: str, hashes: list[int], parent) -> BlockStored:
+        held = self.blocks[medium]
+        tokens: list[int] = []
+        for h in hashes:
+            tokens += held[h].token_ids
+        extra = [held[h].extra_key for h in hashes]
+        return BlockStored(list(hashes), parent, tokens, self.block_size, None, medium, held[hashes[0]].lora_name,
+                           extra_keys=extra if any(e is not None for e in extra) else None)
+
+    def announce(self) -> list[Event]:
+        """``BlockStored`` for every held block (runs of parent-linked blocks), e.g. after the engine's clear."""
+        out: list[Event] = []
+        for medium, held in self.blocks.items():
+            run: list[int] = []
+            for h, block in held.items():  # insertion order: a block comes after its parent
+                if run and block.parent != run[-1]:
+                    out.append(self._event(medium, run, held[run[0]].parent))
+                    run = []
+                run.append(h)
+            if run:
+                out.append(self._event(medium, run, held[run[0]].parent))
+        return out
+
+    def forget(self) -> list[Event]:
+        """Drop every block (the server lost them); ``BlockRemoved`` per medium that held any."""
+        out: list[Event] = [BlockRemoved(list(held), m) for m, held in self.blocks.items() if held]
+        self.blocks = {m: {} for m in self.mediums}
+        return out
+
+    def num_blocks(self, medium: str) -> int:
+        return len(self.blocks.get(medium, ()))
+
+
+def engine_subscribe_endpoint(endpoint: str | None) -> str | None:
+    """Where to subscribe to an engine publisher that binds ``endpoint`` (vLLM's rule); None if it cannot be."""
+    if not endpoint or endpoint.startswith("inproc://"):
+        return None
+    if endpoint.startswith("ipc://"):
+        return endpoint
+    if _WILDCARD.match(endpoint):
+        return _WILDCARD.sub("tcp://127.0.0.1:", endpoint)
+    return endpoint if endpoint.startswith("tcp://127.0.0.1:") else None
+
+
+class ServerFeed:
+    """A thread mirroring a kvtier server's events for one engine (see the module docstring).
+
+    Args:
+        endpoint: the server's KV event PUB address (``--kv-events-endpoint``).
+        replay_endpoint: its replay ROUTER (``--kv-events-replay-endpoint``); None: live events only (a worker
+            started after the server then misses what the server already held).
+        block_size: the engine's block size, in tokens.
+        engine_endpoint: the engine's own KV event PUB address to watch for its ``AllBlocksCleared``; None
+            re-announces only on ``reannounce()``.
+        secret_file: the server's secret file, for a replay port that requires authentication; read once it
+            exists (a server started after the feed creates it).
+        replay_timeout_s: longest wait for one replay answer.
+
+    ``take_events()`` is called from vLLM's scheduler thread; ``close()`` stops the thread.
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None, block_size: int, *,
+                 engine_endpoint: str | None = None, secret_file: str | None = None,
+                 replay_timeout_s: float = 2.0) -> None:
+        self.mirror = BlockMirror(block_size)
+        self._lock = threading.Lock()
+        self._pending: list[Event] = []
+        self._expect_engine_clear = 0  # clears already answered by reannounce(); the watcher skips them
+        self._stop = threading.Event()
+        self.stats = {"server_batches": 0, "restarts": 0, "reannounced": 0, "engine_batches": 0, "engine_clears": 0}
+        self._secret_file = secret_file if secret_file and not os.path.exists(secret_file) else None
+        self._sub = Subscriber(endpoint, replay_endpoint, start_seq=0 if replay_endpoint else None,
+                               replay_timeout_s=replay_timeout_s,
+                               secret_file=secret_file if secret_file and self._secret_file is None else None)
+        self._engine = Subscriber(engine_endpoint) if engine_endpoint else None
+        self._thread = threading.Thread(target=self._run, name="kvtier-server-feed", daemon=True)
+        self._thread.start()
+        log.info("kvtier: forwarding the server's KV events from %s (replay %s) in this engine's stream%s",
+                 endpoint, replay_endpoint or "off",
+                 f"; watching {engine_endpoint} for the engine's AllBlocksCleared" if engine_endpoint else "")
+
+    def _run(self) -> None:
+        restarts = 0
+        while not self._stop.is_set():
+            try:
+                if self._secret_file is not None and os.path.exists(self._secret_file):
+                    self._sub.use_secret_file(self._secret_file)
+                    self._secret_file = None
+                got = self._sub.recv(timeout_s=0.1)
+                if got is not None:
+                    with self._lock:
+                        if self._sub.stats.restarts != restarts:  # a new server: the old one's blocks are gone
+                            restarts = self._sub.stats.restarts
+                            self.stats["restarts"] += 1
+                            self._pending += self.mirror.forget()
+                        self.stats["server_batches"] += 1
+                        self._pending += self.mirror.apply(got[1].events)
+                while self._engine is not None and (batch := self._engine.recv(timeout_s=0)) is not None:
+                    self.stats["engine_batches"] += 1
+                    if any(isinstance(ev, AllBlocksCleared) for ev in batch[1].events):
+                        self._on_engine_clear()
+            except Exception:  # noqa: BLE001 - the feed must never take the engine down
+                if self._stop.is_set():
+                    return
+                log.exception("kvtier: server event feed error; continuing")
+
+    def _on_engine_clear(self) -> None:
+        with self._lock:
+            self.stats["engine_clears"] += 1
+            if self._expect_engine_clear:
+                self._expect_engine_clear -= 1
+                return
+            self._announce()
+
+    def _announce(self) -> None:  # with self._lock held
+        events = self.mirror.announce()
+        self.stats["reannounced"] += sum(len(e.block_hashes) for e in events)
+        self._pending += events
+
+    def reannounce(self, *, engine_clears: bool = True) -> None:
+        """Queue a ``BlockStored`` for everything the server holds (the engine is clearing its prefix cache).
+
+        ``engine_clears``: the engine publishes an ``AllBlocksCleared`` before these events (vLLM's
+        ``reset_prefix_cache`` with a connector reset), so the watcher must not answer that clear again.
+        """
+        with self._lock:
+            if engine_clears and self._engine is not None:
+                self._expect_engine_clear += 1
+            self._announce()
+
+    def take_events(self) -> list[Event]:
+        """Drain the events queued for the engine's stream (``kvtier.events.model`` types)."""
+        with self._lock:
+            out, self._pending = self._pending, []
+        return out
+
+    def num_blocks(self, medium: str) -> int:
+        with self._lock:
+            return self.mirror.num_blocks(medium)
+
+    def close(self) -> None:
+        """Stop the thread and close the sockets. Idempotent."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sub.close()
+        if self._engine is not None:
+            self._engine.close()
+
+
+def open_feed(settings: dict, vllm_config, block_size: int) -> ServerFeed | None:
+    """The scheduler-side feed for a connector configured with ``kvtier.server_events`` (else None).
+
+    ``settings``: the parsed ``kv_connector_extra_config`` (``kvtier.server_events``,
+    ``kvtier.server_events_replay``, ``kvtier.auth_secret_file``); ``vllm_config``: the engine's config (its
+    ``kv_events_config`` names the stream to watch for the engine's own clears).
+    """
+    endpoint = settings.get("kvtier.server_events")
+    if not endpoint:
+        return None
+    kv_events = getattr(vllm_config, "kv_events_config", None)
+    if kv_events is None or not kv_events.enable_kv_cache_events:
+        log.warning("kvtier.server_events is set but the engine publishes no KV events (--kv-events-config "
+                    "enable_kv_cache_events); the server's chunks are not announced")
+        return None
+    engine = engine_subscribe_endpoint(kv_events.endpoint if kv_events.publisher == "zmq" else None)
+    # the replay port of a server with authentication wants the same secret as its requests port
+    secret, _ = secret_file_for(settings.get("kvtier.server_url", ""), settings.get("kvtier.auth_secret_file"))
+    return ServerFeed(endpoint, settings.get("kvtier.server_events_replay"), block_size, engine_endpoint=engine,
+                      secret_file=str(secret) if secret is not None else None)

@@ -1,0 +1,161 @@
+"""The connector's server-event feed against a real ``kvtier server`` (no vLLM, seconds).
+
+The feed turns what the server holds into one engine's KV events (``kvtier.connectors.server_feed``): a feed
+started after the server replays what it already holds, copies of the same blocks are announced once, the
+engine's ``AllBlocksCleared`` is answered by a re-announcement, and a server that is down at start, cleared or
+restarted is followed (removals for what it lost, never stale credit).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from support.server import LAYOUT, ServerProc, free_port, wait_for  # noqa: E402
+
+from kvtier.auth import secret_file_for  # noqa: E402
+from kvtier.client import Client  # noqa: E402
+from kvtier.config import KVEventsConfig  # noqa: E402
+from kvtier.connectors.server_feed import ServerFeed  # noqa: E402
+from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher  # noqa: E402
+
+BLOCK = 8  # the engine's block size here: two blocks per 16-token chunk
+TOKEN = "feed-admin-token"
+
+
+def start_server(tmp_path, port=None, events=None):
+    events = events or (free_port(), free_port())
+    server = ServerProc(tmp_path, port=port, token=TOKEN, extra=(
+        "--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{events[0]}",
+        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{events[1]}", "--block-size", str(BLOCK)))
+    return server, events
+
+
+def open_feed(server_port, events, **kw) -> ServerFeed:
+    secret, _ = secret_file_for(f"tcp://127.0.0.1:{server_port}")
+    return ServerFeed(f"tcp://127.0.0.1:{events[0]}", f"tcp://127.0.0.1:{events[1]}", BLOCK,
+                      secret_file=str(secret), **kw)
+
+
+def store(url, tokens, namespace=""):
+    with Client(url, model="m", layout=LAYOUT, namespace=namespace) as client:
+        kv = np.random.default_rng(len(tokens)).random((2, 2, len(tokens), 1, 8), dtype=np.float32)
+        assert client.store(tokens, kv) >= 1  # chunks newly stored (the held ones are skipped)
+
+
+class Collector:
+    """Everything a feed handed to its engine so far."""
+
+    def __init__(self, feed: ServerFeed):
+        self.feed, self.events = feed, []
+
+    def until(self, pred, what: str):
+        def check():
+            self.events += self.feed.take_events()
+            return pred(self.events)
+        wait_for(check, 20, what)
+
+    def blocks(self, kind, medium="CPU") -> list:
+        return [h for e in self.events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
+
+
+def test_late_feeds_replay_what_the_server_holds_and_announce_each_block_once(tmp_path):
+    prompt = list(range(1000, 1032))  # two chunks, four blocks
+    server, events = start_server(tmp_path)
+    feeds = []
+    try:
+        store(server.url, prompt)  # before any feed exists
+        feeds = [open_feed(server.port, events), open_feed(server.port, events)]  # two workers sharing a server
+        seen = [Collector(f) for f in feeds]
+        for c in seen:
+            c.until(lambda ev: len(c.blocks(BlockStored)) == 4, "the replayed store")
+        stored = [e for e in seen[0].events if isinstance(e, BlockStored)]
+        assert [t for e in stored for t in e.token_ids] == prompt and all(e.block_size == BLOCK for e in stored)
+        assert all(isinstance(h, int) for h in seen[0].blocks(BlockStored))
+        store(server.url, prompt, namespace="tenant-b")  # another copy of the same blocks
+        store(server.url, prompt + list(range(5000, 5016)))  # one new chunk after the held prefix
+        for c in seen:
+            c.until(lambda ev: len(c.blocks(BlockStored)) == 6, "the new chunk's blocks")
+        assert sorted(seen[0].blocks(BlockStored)) == sorted(set(seen[0].blocks(BlockStored)))  # no duplicates
+        last = [e for e in seen[0].events if isinstance(e, BlockStored)][-1]
+        assert last.token_ids == list(range(5000, 5016)) and last.parent_block_hash == seen[0].blocks(BlockStored)[3]
+        # the server drops its L1: every CPU block is removed once, whatever the number of copies
+        reply = server_clear(server)
+        assert reply["num_l1_chunks"] == 5, reply  # 3 chunks + 2 in tenant-b
+        seen[0].until(lambda ev: len(seen[0].blocks(BlockRemoved)) == 6, "the removals after POST /clear")
+        assert sorted(seen[0].blocks(BlockRemoved)) == sorted(seen[0].blocks(BlockStored))
+        assert feeds[0].num_blocks("CPU") == 0
+    finally:
+        for f in feeds:
+            f.close()
+        server.stop()
+
+
+def server_clear(server) -> dict:
+    import httpx
+
+    reply = httpx.post(f"{server.admin}/clear", json={"medium": "CPU"},
+                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_the_engines_clear_is_answered_by_a_reannouncement(tmp_path):
+    prompt = list(range(2000, 2016))
+    server, events = start_server(tmp_path)
+    engine = EventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/engine", batch_max_delay_ms=0))
+    feed = None
+    try:
+        feed = open_feed(server.port, events, engine_endpoint=engine.endpoint)
+        c = Collector(feed)
+        store(server.url, prompt)
+        c.until(lambda ev: len(c.blocks(BlockStored)) == 2, "the store")
+        first = list(c.events)
+        # vLLM's reset_prefix_cache without a connector reset: the feed sees the clear on the engine's stream
+        wait_for(lambda: engine.publish([BlockRemoved([1], "GPU")]) and feed.stats["engine_batches"], 20,
+                 "the watcher to join the engine's stream")
+        engine.publish([AllBlocksCleared()])
+        c.until(lambda ev: len(c.blocks(BlockStored)) >= 4, "the re-announcement")
+        assert c.events[len(first):] == [e for e in first if isinstance(e, BlockStored)]
+        # with a connector reset, reset_cache() re-announces in the same batch and the clear is not answered twice
+        clears = feed.stats["engine_clears"]
+        feed.reannounce()
+        announced = feed.stats["reannounced"]
+        engine.publish([AllBlocksCleared()])
+        wait_for(lambda: feed.stats["engine_clears"] > clears, 20, "the second clear")
+        assert feed.stats["reannounced"] == announced
+    finally:
+        if feed is not None:
+            feed.close()
+        engine.close()
+        server.stop()
+
+
+def test_a_server_down_at_start_is_caught_up_and_a_restart_removes_what_it_lost(tmp_path):
+    port, events = free_port(), (free_port(), free_port())
+    feed = open_feed(port, events, replay_timeout_s=0.5)  # no server yet
+    server = None
+    try:
+        server, _ = start_server(tmp_path, port=port, events=events)
+        c = Collector(feed)
+        for i in range(8):  # separate batches: the old server's sequence goes well past the new one's start
+            store(server.url, list(range(3000 + 16 * i, 3016 + 16 * i)))
+            c.until(lambda ev, i=i: len(c.blocks(BlockStored)) == 2 * (i + 1), "the stores after the server came up")
+        old = c.blocks(BlockStored)
+        assert server.stop() == 0
+        server, _ = start_server(tmp_path, port=port, events=events)  # a new server: its L1 starts empty
+        # the feed learns of the restart from the new server's next batch (its sequence starts again at 0)
+        n = iter(range(4000, 10**6, 16))
+        wait_for(lambda: store(server.url, list(range(next(n), next(n) + 16))) or feed.stats["restarts"], 30,
+                 "the restart to be seen")
+        c.until(lambda ev: len(c.blocks(BlockRemoved)) == 16, "the removals of what the restart lost")
+        assert sorted(c.blocks(BlockRemoved)) == sorted(old) and feed.stats["restarts"] == 1
+        assert not set(old) & set(feed.mirror.blocks["CPU"]) and feed.num_blocks("CPU") >= 2
+    finally:
+        feed.close()
+        if server is not None:
+            server.stop()
+
