@@ -6,6 +6,10 @@ standalone ``dynamo.indexer``. Worker A publishes no engine events of its own; i
 server's, relayed by Dynamo's own ZMQ relay (what ``dynamo.vllm`` runs for vLLM's stream), so A announces what
 kvtier holds. Worker B is a plain mocker with its own prefix cache and events.
 
+Worker C runs the connector's server feed (``kvtier.connectors.server_feed``) as its only event source, as a
+``dynamo.vllm`` worker with the kvtier connector does: started after the server, it announces what kvtier
+already holds; after the engine's ``AllBlocksCleared`` it announces kvtier's chunks again.
+
 The router is asked through ``dynamo.llm.KvRouter`` (``get_overlap_scores`` / ``best_worker``, the frontend's
 router code), the indexer through its ``POST /query``, and the frontend through OpenAI requests whose answers
 name the worker that served them. Nothing depends on hash values: Dynamo re-hashes the events' token ids.
@@ -130,3 +134,111 @@ def test_after_clearing_l1_only_the_disk_tier_stays_credited(deployment):
     view = indexer_view(deployment, PROMPT)
     assert view[a]["cpu"] == 0 and view[a]["disk"] == len(PROMPT), view
     assert served_by(complete(deployment, PROMPT)) == a
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The connector's server feed (kvtier.connectors.server_feed) as one worker's only event source: worker C's
+# stream is an engine-style publisher carrying its own GPU blocks and the feed's CPU/STORAGE blocks, relayed by
+# Dynamo's relay exactly as dynamo.vllm relays vLLM's stream (which the connector's take_events() feeds).
+
+FED = [100 + (i * 31_337) % 40_000 for i in range(2 * CHUNK)]  # stored in kvtier before the worker starts
+LATER = [100 + (i * 65_537) % 40_000 for i in range(CHUNK)]  # stored after the engine's clear
+ENGINE_ONLY = [100 + (i * 7_127) % 40_000 for i in range(4 * BLOCK)]  # in the engine's own (GPU) cache only
+JOINED = [100 + (i * 3_571) % 40_000 for i in range(BLOCK)]  # an engine block that shows the relay is listening
+
+
+class FedWorker:
+    """An engine stream (kvtier's vLLM-compatible publisher) pumped with the feed's events, as vLLM's scheduler
+    drains the connector's ``take_events()`` each step; ``step(events)`` adds engine events before them."""
+
+    def __init__(self, feed):
+        from kvtier.config import KVEventsConfig
+        from kvtier.events import EventPublisher
+
+        self.feed = feed
+        self.publisher = EventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0", batch_max_delay_ms=0))
+        self._stop = False
+        import threading
+
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        """Start stepping (the engine's first step comes after its relay subscribed)."""
+        self._thread.start()
+
+    def step(self, engine_events=(), reset_connector=False) -> None:
+        with self._lock:  # one engine step: its block pool's events, then the connector's
+            if reset_connector:
+                self.feed.reannounce()
+            events = [*engine_events, *self.feed.take_events()]
+            if events:
+                self.publisher.publish(events)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.step()
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop = True
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory):
+    from kvtier.connectors.server_feed import ServerFeed
+
+    work = tmp_path_factory.mktemp("dynamo-feed")
+    dep = Deployment(work)
+    server = probe = feed = worker = None
+    try:
+        server, addresses = start_kvtier_server(work, CHUNK, BLOCK, replay=True)
+        with Client(addresses["url"], model=MODEL_NAME, layout=LAYOUT) as client:
+            kv = np.random.default_rng(1).random((2, 2, len(FED), 1, 8), dtype=np.float32)
+            assert client.store(FED, kv) == 2 and client.flush(30)
+        worker_c = dep.start_mocker("mocker-c", BLOCK, "--no-enable-prefix-caching")
+        probe = RouterProbe(dep, BLOCK)  # before the worker's first event: the router learns live events only
+        feed = ServerFeed(addresses["events"], addresses["replay"], BLOCK, secret_file=addresses["secret_file"])
+        worker = FedWorker(feed)
+        dep.start_relay(worker_c, BLOCK, worker.publisher.endpoint)
+        from kvtier.events import BlockStored
+
+        joined = BlockStored([7], None, JOINED, BLOCK, None, "GPU", None)
+        until(probe, JOINED, lambda r: worker.publisher.publish([joined]) and r["workers"][str(worker_c)]["device"],
+              "worker C's relay subscribed")
+        worker.start()
+        yield {"c": str(worker_c), "probe": probe, "worker": worker, **addresses}
+    finally:
+        for thing in (worker, feed, probe):
+            if thing is not None:
+                (thing.close if hasattr(thing, "close") else thing.stop)()
+        dep.stop()
+        if server is not None:
+            server.stop()
+
+
+def test_a_worker_started_after_the_server_announces_what_it_already_holds(fed):
+    c, n_blocks = fed["c"], len(FED) // BLOCK
+    answer = until(fed["probe"], FED, lambda r: r["workers"][c]["host"] == n_blocks
+                   and r["workers"][c]["disk"] == n_blocks, "the replayed chunks on worker C's host and disk tiers")
+    assert answer["workers"][c]["device"] == 0 and answer["best"]["worker"] == c
+
+
+def test_after_the_engines_clear_the_worker_still_announces_kvtiers_chunks(fed):
+    from kvtier.events import AllBlocksCleared, BlockStored
+
+    c, probe, worker = fed["c"], fed["probe"], fed["worker"]
+    gpu = BlockStored([10**6 + i for i in range(4)], None, ENGINE_ONLY, BLOCK, None, "GPU", None)
+    worker.step([gpu])
+    until(probe, ENGINE_ONLY, lambda r: r["workers"][c]["device"] == 4, "the engine's own GPU blocks")
+    # vLLM's reset_prefix_cache with a connector reset: AllBlocksCleared, then the connector's re-announcement
+    worker.step([AllBlocksCleared()], reset_connector=True)
+    with Client(fed["url"], model=MODEL_NAME, layout=LAYOUT) as client:  # an event the router sees after both
+        kv = np.random.default_rng(2).random((2, 2, len(LATER), 1, 8), dtype=np.float32)
+        assert client.store(LATER, kv) == 1
+    until(probe, LATER, lambda r: r["workers"][c]["host"] == len(LATER) // BLOCK, "a store after the clear")
+    assert probe.query(ENGINE_ONLY)["workers"][c]["device"] == 0  # the clear reached the router ...
+    assert probe.query(FED)["workers"][c]["host"] == len(FED) // BLOCK  # ... and kvtier's chunks came back

@@ -108,24 +108,33 @@ class Deployment:
             proc.stop(timeout_s=20)
 
 
-def start_kvtier_server(work: Path, chunk_size: int, block_size: int) -> tuple[services.Proc, dict]:
+def start_kvtier_server(work: Path, chunk_size: int, block_size: int, *, replay: bool = False
+                        ) -> tuple[services.Proc, dict]:
     """A running ``kvtier server`` hashing per ``block_size`` tokens (the engines' block size) and publishing KV
     events for those blocks, with a local-disk L2.
 
     Returns the process and its addresses: ``url`` (requests), ``admin`` (HTTP), ``events`` (the PUB socket),
-    and ``admin_headers`` (the admin token, which ``POST /clear`` needs).
+    ``admin_headers`` (the admin token, which ``POST /clear`` needs), and with ``replay`` ``replay`` (the
+    replay socket) and ``secret_file`` (the server's secret, which the replay socket requires).
     """
     port, admin, events = services.free_port(), services.free_port(), services.free_port()
+    replay_port = services.free_port()
     l2 = work / "kvtier-l2"
     argv = [sys.executable, "-m", "kvtier", "server", "--port", str(port), "--admin-port", str(admin),
             "--l1-size-gb", "0.1", "--eviction-policy", "LRU", "--chunk-size", str(chunk_size),
             "--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
             "--block-size", str(block_size),
+            *(["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"] if replay else []),
             "--l2-adapter", json.dumps({"type": "local_disk", "path": str(l2)})]
     token = "dynamo-test-admin-token"
     proc = services.Proc("kvtier-server", argv, work / "kvtier-server.log", env={"KVTIER_ADMIN_TOKEN": token}).start()
     addresses = {"url": f"tcp://127.0.0.1:{port}", "admin": f"http://127.0.0.1:{admin}",
                  "events": f"tcp://127.0.0.1:{events}", "admin_headers": {"Authorization": f"Bearer {token}"}}
+    if replay:
+        from kvtier.auth import secret_file_for
+
+        addresses["replay"] = f"tcp://127.0.0.1:{replay_port}"
+        addresses["secret_file"] = str(secret_file_for(addresses["url"])[0])
     proc.wait_ready(lambda: httpx.get(f"{addresses['admin']}/healthz", timeout=1).status_code == 200)
     return proc, addresses
 
