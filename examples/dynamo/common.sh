@@ -20,14 +20,45 @@ if "$VLLM_PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None el
     export PYTHONPATH="$ROOT/scripts/dynamo-cpu${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-kvtier_transfer_config() {  # kvtier_transfer_config ROLE [CLASS]: --kv-transfer-config JSON for the kvtier connector
+# The kvtier server publishes KV events for what it holds (per vLLM block, vLLM's hashes); each worker's connector
+# subscribes (kvtier.server_events, with replay) and announces those chunks in the worker's own KV event stream,
+# the one stream per worker that Dynamo's router reads (docs/deployment.md, "What the router sees").
+KV_EVENTS_PORT=${KV_EVENTS_PORT:-5557}
+KV_REPLAY_PORT=${KV_REPLAY_PORT:-5558}
+
+start_kvtier_node() {  # start_kvtier_node NAME KV_PORT ADMIN_PORT EVENTS_PORT REPLAY_PORT [extra kvtier server args]
+    local name=$1 port=$2 admin=$3 events=$4 replay=$5; shift 5
+    "$KVTIER_PY" -m kvtier server --port "$port" --admin-port "$admin" --l1-size-gb "${L1_SIZE_GB:-2}" \
+        --eviction-policy LRU --chunk-size "$CHUNK_SIZE" --block-size "$BLOCK_SIZE" --enable-kv-events \
+        --kv-events-endpoint "tcp://127.0.0.1:$events" --kv-events-replay-endpoint "tcp://127.0.0.1:$replay" \
+        "$@" >"$LOG_DIR/$name.log" 2>&1 &
+    PIDS+=($!)
+    wait_http "http://127.0.0.1:$admin/healthz" "$name" "$!"
+}
+
+start_kvtier() {  # the single kvtier server of agg.sh and disagg.sh, with its KV events
+    start_kvtier_node kvtier "$KV_PORT" "$KV_ADMIN_PORT" "$KV_EVENTS_PORT" "$KV_REPLAY_PORT"
+}
+
+# kvtier_transfer_config ROLE [CLASS [KV_PORT EVENTS_PORT REPLAY_PORT]]: --kv-transfer-config JSON for the kvtier
+# connector of the server on those ports (default: the single server of start_kvtier)
+kvtier_transfer_config() {
     local role=$1 cls=${2:-KVTierConnector} module=kvtier.connectors.vllm
+    local port=${3:-$KV_PORT} events=${4:-$KV_EVENTS_PORT} replay=${5:-$KV_REPLAY_PORT}
     [ "$cls" = KVTierConnector ] || module=kvtier.connectors.dynamo_pd
-    echo "{\"kv_connector\":\"$cls\",\"kv_connector_module_path\":\"$module\",\"kv_role\":\"$role\",\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{\"kvtier.server_url\":\"tcp://127.0.0.1:$KV_PORT\"}}"
+    local extra="\"kvtier.server_url\":\"tcp://127.0.0.1:$port\",\"kvtier.server_events\":\"tcp://127.0.0.1:$events\",\"kvtier.server_events_replay\":\"tcp://127.0.0.1:$replay\""
+    echo "{\"kv_connector\":\"$cls\",\"kv_connector_module_path\":\"$module\",\"kv_role\":\"$role\",\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{$extra}}"
 }
 
 count_workers() {  # worker instances registered in file discovery (their "generate" endpoints)
     ls "$DYN_FILE_KV/v1/instances" 2>/dev/null | grep -c '%2Fgenerate%2F' || true
+}
+
+worker_ids() {  # instance ids of the registered workers, one a line
+    "$KVTIER_PY" -c "
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob('*%2Fgenerate%2F*')):
+    print(json.loads(p.read_text())['instance_id'])" "$DYN_FILE_KV/v1/instances"
 }
 
 start_worker() {  # start_worker NAME TRANSFER_CONFIG [extra dynamo.vllm args...]: a dynamo.vllm worker, until registered
@@ -59,11 +90,14 @@ for port in random.sample(range(20000, 32768), 200):
         sleep 0.5
     done
     [ "$(count_workers)" -ge "$want" ] || { echo "$name did not register in 300 s" >&2; exit 1; }
-    echo "$name ready (pid $pid)"
+    local id
+    id=$(worker_ids | grep -vxF -f <(cut -sd= -f2 "$LOG_DIR/worker-ids" 2>/dev/null) | head -n 1 || true)
+    echo "$name=$id" >>"$LOG_DIR/worker-ids"  # the instance id the frontend reports (nvext worker_id)
+    echo "$name ready (pid $pid, instance $id)"
 }
 
-start_frontend() {  # start_frontend [extra dynamo.frontend args...]: OpenAI API on 127.0.0.1:$HTTP_PORT with the KV router
-    "$DYNAMO_PY" -m dynamo.frontend "${PLANES[@]}" --router-mode kv --http-host 127.0.0.1 --http-port "$HTTP_PORT" \
+start_frontend() {  # start_frontend [extra dynamo.frontend args...]: OpenAI API on 127.0.0.1:$HTTP_PORT, $ROUTER_MODE router
+    "$DYNAMO_PY" -m dynamo.frontend "${PLANES[@]}" --router-mode "${ROUTER_MODE:-kv}" --http-host 127.0.0.1 --http-port "$HTTP_PORT" \
         "$@" >"$LOG_DIR/frontend.log" 2>&1 &
     PIDS+=($!)
     wait_http "http://127.0.0.1:$HTTP_PORT/health" frontend "$!"
