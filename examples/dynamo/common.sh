@@ -26,10 +26,14 @@ fi
 KV_EVENTS_PORT=${KV_EVENTS_PORT:-5557}
 KV_REPLAY_PORT=${KV_REPLAY_PORT:-5558}
 
+# `python -m dynamo.vllm` sets PYTHONHASHSEED=0 when it is unset, and vLLM seeds its block hashes with it: the
+# server must hash with the same seed (the connector refuses a server that does not)
+HASH_SEED=${PYTHONHASHSEED:-0}
+
 start_kvtier_node() {  # start_kvtier_node NAME KV_PORT ADMIN_PORT EVENTS_PORT REPLAY_PORT [extra kvtier server args]
     local name=$1 port=$2 admin=$3 events=$4 replay=$5; shift 5
     "$KVTIER_PY" -m kvtier server --port "$port" --admin-port "$admin" --l1-size-gb "${L1_SIZE_GB:-2}" \
-        --eviction-policy LRU --chunk-size "$CHUNK_SIZE" --block-size "$BLOCK_SIZE" --enable-kv-events \
+        --eviction-policy LRU --chunk-size "$CHUNK_SIZE" --block-size "$BLOCK_SIZE" --hash-seed "$HASH_SEED" --enable-kv-events \
         --kv-events-endpoint "tcp://127.0.0.1:$events" --kv-events-replay-endpoint "tcp://127.0.0.1:$replay" \
         "$@" >"$LOG_DIR/$name.log" 2>&1 &
     PIDS+=($!)

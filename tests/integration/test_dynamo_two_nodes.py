@@ -79,8 +79,9 @@ class TwoNodes:
         deadline = time.monotonic() + 900
         while "serving on" not in self.output():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                out = self.output()
                 self.stop()
-                raise RuntimeError(f"two_nodes.sh did not start:\n{self.output()[-4000:]}")
+                raise RuntimeError(f"two_nodes.sh did not start:\n{out[-4000:]}")
             time.sleep(1)
         ids = dict(line.split("=", 1) for line in (work / "worker-ids").read_text().split())
         self.worker = {"a": ids["node-a"], "b": ids["node-b"]}
