@@ -15,6 +15,9 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 OFF=${B_OFFSET:-10}
+if [[ " $* " == *" --kv-cache-memory-bytes "* ]]; then
+    unset VLLM_CPU_KVCACHE_SPACE  # vLLM CPU sizes its KV cache from this variable (whole GiB) when it is set
+fi
 L2_ARGS=()
 if [ -n "${SHARED_L2:-}" ]; then
     L2_ARGS=(--l2-adapter "{\"type\":\"redis\",\"url\":\"$SHARED_L2\"}")

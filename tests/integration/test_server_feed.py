@@ -9,6 +9,7 @@ restarted is followed (removals for what it lost, never stale credit).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -159,3 +160,59 @@ def test_a_server_down_at_start_is_caught_up_and_a_restart_removes_what_it_lost(
         if server is not None:
             server.stop()
 
+
+
+def test_an_idle_engine_has_the_servers_changes_published_for_it(tmp_path):
+    server, events = start_server(tmp_path)
+    flushed: list = []
+    feed = open_feed(server.port, events, flush=lambda evs: flushed.append(evs) or True, idle_flush_seconds=0.2)
+    try:
+        store(server.url, list(range(6000, 6016)))
+        # nobody calls take_events() (an idle engine): the feed publishes the store itself
+        wait_for(lambda: flushed, 20, "the idle flush")
+        assert [h for batch in flushed for e in batch for h in e.block_hashes] == list(feed.mirror.blocks["CPU"])
+        assert feed.take_events() == [] and feed.stats["idle_flushes"] == 1
+    finally:
+        feed.close()
+        server.stop()
+
+
+def test_a_reannouncement_waits_for_the_engines_clear_before_an_idle_flush(tmp_path):
+    server, events = start_server(tmp_path)
+    engine = EventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/engine", batch_max_delay_ms=0))
+    flushed: list = []
+    feed = open_feed(server.port, events, engine_endpoint=engine.endpoint, idle_flush_seconds=0.2,
+                     flush=lambda evs: flushed.append(evs) or True)
+    try:
+        store(server.url, list(range(7000, 7016)))
+        wait_for(lambda: flushed, 20, "the store's idle flush")
+        wait_for(lambda: engine.publish([BlockRemoved([1], "GPU")]) and feed.stats["engine_batches"], 20,
+                 "the watcher to join the engine's stream")
+        feed.reannounce()  # vLLM's reset_cache(): the engine's AllBlocksCleared is still to come
+        time.sleep(0.5)  # longer than idle_flush_seconds: an idle flush now would land before the clear
+        assert len(flushed) == 1
+        engine.publish([AllBlocksCleared()])
+        wait_for(lambda: len(flushed) == 2, 20, "the re-announcement after the clear")
+        assert [e.block_hashes for e in flushed[1]] == [e.block_hashes for e in flushed[0]]
+    finally:
+        feed.close()
+        engine.close()
+        server.stop()
+
+
+def test_the_engines_publisher_is_found_through_the_scheduler_that_owns_the_connector():
+    from kvtier.connectors.server_feed import _scheduler_publisher
+
+    class Connector:
+        pass
+
+    class Scheduler:  # the two attributes vLLM's Scheduler has
+        def __init__(self, connector, publisher):
+            self.connector, self.kv_event_publisher = connector, publisher
+
+    connector, other = Connector(), Connector()
+    with EventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0")) as publisher:
+        keep = Scheduler(connector, publisher)
+        assert _scheduler_publisher(connector) is publisher
+        assert _scheduler_publisher(other) is None
+        del keep

@@ -29,16 +29,21 @@ Rules (why):
   batches), so a new worker announces what the server already holds; a server that is down at start is
   caught up from seq 0 when it answers.
 
-Events leave at the engine's next step: vLLM publishes connector events only when a step produces output
-(``Scheduler.update_from_output``), so an idle engine holds them until its next request.
+Timing: vLLM publishes connector events only when a step produces output (``Scheduler.update_from_output``),
+so an idle engine would hold them until its next request. With ``flush`` (``engine_flush``: the engine's own
+publisher, found in the scheduler that owns the connector) events the engine has not taken within
+``idle_flush_seconds`` are published directly in the same stream, except while a ``reannounce()`` waits for
+the engine's ``AllBlocksCleared`` (it must follow the clear).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 from kvtier.auth import secret_file_for
@@ -171,19 +176,24 @@ class ServerFeed:
         secret_file: the server's secret file, for a replay port that requires authentication; read once it
             exists (a server started after the feed creates it).
         replay_timeout_s: longest wait for one replay answer.
+        flush: ``flush(events) -> bool`` publishes events the engine has not taken within ``idle_flush_seconds``
+            (False: it cannot, the events stay queued for the engine); None: only the engine publishes.
 
     ``take_events()`` is called from vLLM's scheduler thread; ``close()`` stops the thread.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, block_size: int, *,
                  engine_endpoint: str | None = None, secret_file: str | None = None,
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0, flush=None, idle_flush_seconds: float = 0.5) -> None:
         self.mirror = BlockMirror(block_size)
         self._lock = threading.Lock()
         self._pending: list[Event] = []
+        self._pending_since = 0.0  # monotonic time the oldest queued event was queued
+        self._flush, self._idle_flush_seconds = flush, idle_flush_seconds
         self._expect_engine_clear = 0  # clears already answered by reannounce(); the watcher skips them
         self._stop = threading.Event()
-        self.stats = {"server_batches": 0, "restarts": 0, "reannounced": 0, "engine_batches": 0, "engine_clears": 0}
+        self.stats = {"server_batches": 0, "restarts": 0, "reannounced": 0, "engine_batches": 0, "engine_clears": 0,
+                      "idle_flushes": 0}
         self._secret_file = secret_file if secret_file and not os.path.exists(secret_file) else None
         self._sub = Subscriber(endpoint, replay_endpoint, start_seq=0 if replay_endpoint else None,
                                replay_timeout_s=replay_timeout_s,
@@ -208,13 +218,14 @@ class ServerFeed:
                         if self._sub.stats.restarts != restarts:  # a new server: the old one's blocks are gone
                             restarts = self._sub.stats.restarts
                             self.stats["restarts"] += 1
-                            self._pending += self.mirror.forget()
+                            self._queue(self.mirror.forget())
                         self.stats["server_batches"] += 1
-                        self._pending += self.mirror.apply(got[1].events)
+                        self._queue(self.mirror.apply(got[1].events))
                 while self._engine is not None and (batch := self._engine.recv(timeout_s=0)) is not None:
                     self.stats["engine_batches"] += 1
                     if any(isinstance(ev, AllBlocksCleared) for ev in batch[1].events):
                         self._on_engine_clear()
+                self._idle_flush()
             except Exception:  # noqa: BLE001 - the feed must never take the engine down
                 if self._stop.is_set():
                     return
@@ -228,10 +239,28 @@ class ServerFeed:
                 return
             self._announce()
 
+    def _queue(self, events: list[Event]) -> None:  # with self._lock held
+        if events and not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending += events
+
+    def _idle_flush(self) -> None:
+        if self._flush is None:
+            return
+        with self._lock:
+            if (not self._pending or self._expect_engine_clear
+                    or time.monotonic() - self._pending_since < self._idle_flush_seconds):
+                return
+            events, self._pending = self._pending, []
+            if self._flush(events):
+                self.stats["idle_flushes"] += 1
+            else:  # the engine publishes them at its next step
+                self._pending, self._flush = events, None
+
     def _announce(self) -> None:  # with self._lock held
         events = self.mirror.announce()
         self.stats["reannounced"] += sum(len(e.block_hashes) for e in events)
-        self._pending += events
+        self._queue(events)
 
     def reannounce(self, *, engine_clears: bool = True) -> None:
         """Queue a ``BlockStored`` for everything the server holds (the engine is clearing its prefix cache).
@@ -263,12 +292,50 @@ class ServerFeed:
             self._engine.close()
 
 
-def open_feed(settings: dict, vllm_config, block_size: int) -> ServerFeed | None:
+def _scheduler_publisher(connector):
+    """The KV event publisher of the vLLM scheduler that owns ``connector`` (its ``kv_event_publisher``), or None.
+
+    vLLM hands a connector no reference to its scheduler; the scheduler is the object whose ``connector``
+    attribute is this connector (found once through the garbage collector's referrers).
+    """
+    for ref in gc.get_referrers(connector):
+        owners = [ref] if not isinstance(ref, dict) else [o for o in gc.get_referrers(ref)
+                                                            if getattr(o, "__dict__", None) is ref]
+        for owner in owners:
+            if getattr(owner, "connector", None) is connector:
+                publisher = getattr(owner, "kv_event_publisher", None)
+                if callable(getattr(publisher, "publish", None)):
+                    return publisher
+    return None
+
+
+def engine_flush(connector, convert):
+    """A ``ServerFeed`` ``flush``: publish through the engine's own publisher (``convert``: kvtier events to
+    vLLM's). Returns False (the events stay for the engine's next step) when the publisher cannot be found."""
+    found: list = []
+
+    def flush(events) -> bool:
+        if not found:
+            found.append(_scheduler_publisher(connector))
+            if found[0] is None:
+                log.info("kvtier: the engine's KV event publisher was not found; the server's changes are "
+                         "published at the engine's next step")
+        if found[0] is None:
+            return False
+        from vllm.distributed.kv_events import KVEventBatch
+
+        found[0].publish(KVEventBatch(ts=time.time(), events=convert(events)))
+        return True
+
+    return flush
+
+
+def open_feed(settings: dict, vllm_config, block_size: int, flush=None) -> ServerFeed | None:
     """The scheduler-side feed for a connector configured with ``kvtier.server_events`` (else None).
 
     ``settings``: the parsed ``kv_connector_extra_config`` (``kvtier.server_events``,
     ``kvtier.server_events_replay``, ``kvtier.auth_secret_file``); ``vllm_config``: the engine's config (its
-    ``kv_events_config`` names the stream to watch for the engine's own clears).
+    ``kv_events_config`` names the stream to watch for the engine's own clears); ``flush``: see ``ServerFeed``.
     """
     endpoint = settings.get("kvtier.server_events")
     if not endpoint:
@@ -282,4 +349,4 @@ def open_feed(settings: dict, vllm_config, block_size: int) -> ServerFeed | None
     # the replay port of a server with authentication wants the same secret as its requests port
     secret, _ = secret_file_for(settings.get("kvtier.server_url", ""), settings.get("kvtier.auth_secret_file"))
     return ServerFeed(endpoint, settings.get("kvtier.server_events_replay"), block_size, engine_endpoint=engine,
-                      secret_file=str(secret) if secret is not None else None)
+                      secret_file=str(secret) if secret is not None else None, flush=flush)
