@@ -167,11 +167,27 @@ def test_an_idle_engine_has_the_servers_changes_published_for_it(tmp_path):
     flushed: list = []
     feed = open_feed(server.port, events, flush=lambda evs: flushed.append(evs) or True, idle_flush_seconds=0.2)
     try:
+        assert feed.take_events() == []  # the engine's first step: from now on its stream has listeners
         store(server.url, list(range(6000, 6016)))
         # nobody calls take_events() (an idle engine): the feed publishes the store itself
         wait_for(lambda: flushed, 20, "the idle flush")
         assert [h for batch in flushed for e in batch for h in e.block_hashes] == list(feed.mirror.blocks["CPU"])
         assert feed.take_events() == [] and feed.stats["idle_flushes"] == 1
+    finally:
+        feed.close()
+        server.stop()
+
+
+def test_nothing_is_flushed_before_the_engines_first_step(tmp_path):
+    server, events = start_server(tmp_path)
+    store(server.url, list(range(8000, 8016)))  # the state a new worker learns by replay at start-up
+    flushed: list = []
+    feed = open_feed(server.port, events, flush=lambda evs: flushed.append(evs) or True, idle_flush_seconds=0.1)
+    try:
+        wait_for(lambda: feed.num_blocks("CPU") == 2, 20, "the replay")
+        time.sleep(0.5)  # several idle periods: the announcement must wait for the engine's first step
+        assert flushed == []
+        assert [h for e in feed.take_events() for h in e.block_hashes] == list(feed.mirror.blocks["CPU"])
     finally:
         feed.close()
         server.stop()
@@ -184,6 +200,7 @@ def test_a_reannouncement_waits_for_the_engines_clear_before_an_idle_flush(tmp_p
     feed = open_feed(server.port, events, engine_endpoint=engine.endpoint, idle_flush_seconds=0.2,
                      flush=lambda evs: flushed.append(evs) or True)
     try:
+        assert feed.take_events() == []  # the engine's first step
         store(server.url, list(range(7000, 7016)))
         wait_for(lambda: flushed, 20, "the store's idle flush")
         wait_for(lambda: engine.publish([BlockRemoved([1], "GPU")]) and feed.stats["engine_batches"], 20,

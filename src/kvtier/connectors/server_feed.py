@@ -32,8 +32,9 @@ Rules (why):
 Timing: vLLM publishes connector events only when a step produces output (``Scheduler.update_from_output``),
 so an idle engine would hold them until its next request. With ``flush`` (``engine_flush``: the engine's own
 publisher, found in the scheduler that owns the connector) events the engine has not taken within
-``idle_flush_seconds`` are published directly in the same stream, except while a ``reannounce()`` waits for
-the engine's ``AllBlocksCleared`` (it must follow the clear).
+``idle_flush_seconds`` are published directly in the same stream, once the engine has taken events at least
+once (before its first step nobody may be listening yet: ``dynamo.vllm`` subscribes after the engine started),
+and except while a ``reannounce()`` waits for the engine's ``AllBlocksCleared`` (it must follow the clear).
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ class ServerFeed:
         self._pending: list[Event] = []
         self._pending_since = 0.0  # monotonic time the oldest queued event was queued
         self._flush, self._idle_flush_seconds = flush, idle_flush_seconds
+        self._engine_took = False  # the engine drained take_events() at least once (its stream has listeners)
         self._expect_engine_clear = 0  # clears already answered by reannounce(); the watcher skips them
         self._stop = threading.Event()
         self.stats = {"server_batches": 0, "restarts": 0, "reannounced": 0, "engine_batches": 0, "engine_clears": 0,
@@ -248,7 +250,7 @@ class ServerFeed:
         if self._flush is None:
             return
         with self._lock:
-            if (not self._pending or self._expect_engine_clear
+            if (not self._pending or self._expect_engine_clear or not self._engine_took
                     or time.monotonic() - self._pending_since < self._idle_flush_seconds):
                 return
             events, self._pending = self._pending, []
@@ -277,6 +279,7 @@ class ServerFeed:
         """Drain the events queued for the engine's stream (``kvtier.events.model`` types)."""
         with self._lock:
             out, self._pending = self._pending, []
+            self._engine_took = True
         return out
 
     def num_blocks(self, medium: str) -> int:
