@@ -18,10 +18,14 @@ both workers (``local_cache_hit``: vLLM's prefix cache; ``external_kv_transfer``
 ``kvtier_l2_promoted_chunks_total`` x chunk size) and kvtier L1 (the rest).
 
     .venv/bin/python benchmarks/dynamo_routing.py [--users 7 --rounds 3 --context-tokens 1024 --max-tokens 16]
-        [--engine-kv-tokens 3072] [--shared-l2 redis://127.0.0.1:6379/0] [--quick]
+        [--engine-kv-tokens 3072] [--shared-l2] [--quick]
 
-Writes benchmarks/dynamo_routing.csv (one row per router mode) and docs/img/dynamo_routing.png (--quick: under
-/tmp), and prints kv / round-robin mean TTFT of rounds after the first. Needs scripts/setup-vllm.sh and
+``--shared-l2`` puts one Redis L2 under both servers: a fresh ``redis-server`` (no persistence) on a free
+127.0.0.1 port for each router mode, so neither run finds the other's chunks.
+
+Writes benchmarks/dynamo_routing.csv (one row per router mode) and docs/img/dynamo_routing.png (``--shared-l2``:
+dynamo_routing_shared_l2.csv / .png; --quick: under /tmp), and prints kv / round-robin mean TTFT of rounds after
+the first. Needs scripts/setup-vllm.sh and
 scripts/setup-dynamo.sh. Exit status 0, or 1 when a run failed.
 """
 
@@ -30,7 +34,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import contextlib
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,9 +106,42 @@ def counters(dep: TwoNodes) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def fresh_redis(work: Path):
+    """A private ``redis-server`` on a free 127.0.0.1 port, no persistence; yields its URL; stopped by pid."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (scripts/install-services.sh)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(work / "redis.log", "w") as log:
+        proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                                 "--appendonly", "no", "--dir", str(work)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {(work / 'redis.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def run_mode(mode: str, args, contexts: list[str], work: Path) -> dict:
     """Start the deployment with ``--router-mode mode``, run the workload, stop it. Returns the summary row."""
-    dep = TwoNodes(work, shared_l2=args.shared_l2, router_mode=mode, engine_kv_tokens=args.engine_kv_tokens,
+    with contextlib.ExitStack() as stack:
+        l2 = stack.enter_context(fresh_redis(work)) if args.shared_l2 else None
+        return _run_mode(mode, args, contexts, work, l2)
+
+
+def _run_mode(mode: str, args, contexts: list[str], work: Path, l2: str | None) -> dict:
+    dep = TwoNodes(work, shared_l2=l2, router_mode=mode, engine_kv_tokens=args.engine_kv_tokens,
                    max_model_len=args.max_model_len, l1_size_gb=args.l1_size_gb)
     records: list[dict] = []
     try:
@@ -163,7 +204,8 @@ def chart(rows: list[dict], path: Path) -> None:
     right.set_ylabel("share of prompt tokens (rounds > 1)")
     right.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"Two nodes behind Dynamo: {rows[0]['users']} users x {rows[0]['rounds']} rounds, "
-                 f"{rows[0]['context_tokens']}-token contexts, vLLM KV {rows[0]['engine_kv_tokens']} tokens/node")
+                 f"{rows[0]['context_tokens']}-token contexts, vLLM KV {rows[0]['engine_kv_tokens']} tokens/node"
+                 + (", shared Redis L2" if rows[0]["shared_l2"] else ""))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -178,7 +220,7 @@ def main() -> int:
     ap.add_argument("--engine-kv-tokens", type=int, default=3072, help="each vLLM's KV cache, in tokens")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--l1-size-gb", type=float, default=1.0)
-    ap.add_argument("--shared-l2", default=None, help="a Redis URL both kvtier servers use as L2")
+    ap.add_argument("--shared-l2", action="store_true", help="one fresh Redis L2 under both kvtier servers")
     ap.add_argument("--modes", default="kv,round-robin")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="3 users, 2 rounds, 512-token contexts; files under /tmp")
@@ -191,8 +233,9 @@ def main() -> int:
     corpus = Corpus(tokenizer, seed=args.seed)
     contexts = [corpus.draw(args.context_tokens) for _ in range(args.users)]
     out_dir = Path(tempfile.mkdtemp(prefix="dynamo-routing-")) if args.quick else None
-    csv_path = (out_dir or HERE) / "dynamo_routing.csv"
-    png_path = (out_dir or REPO / "docs" / "img") / "dynamo_routing.png"
+    name = "dynamo_routing_shared_l2" if args.shared_l2 else "dynamo_routing"
+    csv_path = (out_dir or HERE) / f"{name}.csv"
+    png_path = (out_dir or REPO / "docs" / "img") / f"{name}.png"
     rows, failed = [], False
     for mode in args.modes.split(","):
         work = Path(tempfile.mkdtemp(prefix=f"dynamo-routing-{mode}-"))
