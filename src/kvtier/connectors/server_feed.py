@@ -212,8 +212,8 @@ class ServerFeed:
         while not self._stop.is_set():
             try:
                 if self._secret_file is not None and os.path.exists(self._secret_file):
-                    self._sub.use_secret_file(self._secret_file)
-                    self._secret_file = None
+                    path, self._secret_file = self._secret_file, None  # tried once: a bad file is one error
+                    self._sub.use_secret_file(path)
                 got = self._sub.recv(timeout_s=0.1)
                 if got is not None:
                     with self._lock:
@@ -232,6 +232,7 @@ class ServerFeed:
                 if self._stop.is_set():
                     return
                 log.exception("kvtier: server event feed error; continuing")
+                self._stop.wait(1.0)  # a persistent fault logs once a second, not in a tight loop
 
     def _on_engine_clear(self) -> None:
         with self._lock:
