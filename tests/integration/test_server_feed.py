@@ -233,3 +233,23 @@ def test_the_engines_publisher_is_found_through_the_scheduler_that_owns_the_conn
         assert _scheduler_publisher(connector) is publisher
         assert _scheduler_publisher(other) is None
         del keep
+
+
+def test_open_feed_follows_the_engines_kv_events_config(tmp_path):
+    from types import SimpleNamespace
+
+    from kvtier.connectors.server_feed import open_feed as connector_feed
+
+    def engine(enabled, endpoint="tcp://*:5557"):  # the fields of vLLM's KVEventsConfig the feed reads
+        return SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=enabled, publisher="zmq",
+                                                                endpoint=endpoint))
+
+    events = f"tcp://127.0.0.1:{free_port()}"
+    assert connector_feed(engine(True), BLOCK, endpoint=None) is None  # no kvtier.server_events: no feed
+    assert connector_feed(engine(False), BLOCK, endpoint=events) is None  # the engine publishes nothing
+    feed = connector_feed(engine(True, f"ipc://{tmp_path}/engine"), BLOCK, endpoint=events,
+                          server_url="tcp://127.0.0.1:1")
+    try:
+        assert feed is not None and feed._engine is not None and feed.mirror.block_size == BLOCK
+    finally:
+        feed.close()

@@ -334,14 +334,15 @@ def engine_flush(connector, convert):
     return flush
 
 
-def open_feed(settings: dict, vllm_config, block_size: int, flush=None) -> ServerFeed | None:
-    """The scheduler-side feed for a connector configured with ``kvtier.server_events`` (else None).
+def open_feed(vllm_config, block_size: int, *, endpoint: str | None, replay_endpoint: str | None = None,
+              server_url: str = "", secret_file: str | None = None, flush=None) -> ServerFeed | None:
+    """The scheduler-side feed of a connector configured with ``kvtier.server_events`` (``endpoint``; None: no feed).
 
-    ``settings``: the parsed ``kv_connector_extra_config`` (``kvtier.server_events``,
-    ``kvtier.server_events_replay``, ``kvtier.auth_secret_file``); ``vllm_config``: the engine's config (its
-    ``kv_events_config`` names the stream to watch for the engine's own clears); ``flush``: see ``ServerFeed``.
+    ``vllm_config``: the engine's config (its ``kv_events_config`` names the stream to watch for the engine's own
+    clears); ``replay_endpoint``: ``kvtier.server_events_replay``; ``server_url`` / ``secret_file``: the
+    connector's server and ``kvtier.auth_secret_file`` (the replay port wants the server's secret);
+    ``flush``: see ``ServerFeed``.
     """
-    endpoint = settings.get("kvtier.server_events")
     if not endpoint:
         return None
     kv_events = getattr(vllm_config, "kv_events_config", None)
@@ -351,6 +352,6 @@ def open_feed(settings: dict, vllm_config, block_size: int, flush=None) -> Serve
         return None
     engine = engine_subscribe_endpoint(kv_events.endpoint if kv_events.publisher == "zmq" else None)
     # the replay port of a server with authentication wants the same secret as its requests port
-    secret, _ = secret_file_for(settings.get("kvtier.server_url", ""), settings.get("kvtier.auth_secret_file"))
-    return ServerFeed(endpoint, settings.get("kvtier.server_events_replay"), block_size, engine_endpoint=engine,
+    secret, _ = secret_file_for(server_url or "", secret_file)
+    return ServerFeed(endpoint, replay_endpoint, block_size, engine_endpoint=engine,
                       secret_file=str(secret) if secret is not None else None, flush=flush)
