@@ -152,6 +152,9 @@ class ConnectorConfig(_Section):
     timeout_seconds: float = Field(5.0, gt=0)  # server only: longest wait for one reply (also the startup wait)
     load_timeout_seconds: float = Field(5.0, gt=0)  # longest wait for one request's load; later: recomputed
     auth_secret_file: str | None = None  # server only: the secret file (default: the same-user server's for the URL)
+    server_events: str | None = None  # server only: the server's KV event PUB address; what it holds is announced in
+    # this engine's KV event stream (CPU / STORAGE blocks; connectors/server_feed.py)
+    server_events_replay: str | None = None  # server only: the server's replay address (catch up at start)
 
 
 class KVTierConfig(_Section):

@@ -32,7 +32,7 @@ from kvtier.backend import KVBackend
 from kvtier.connectors.vllm_config import check_chunk_size, connector_config, layout_of
 from kvtier.connectors.vllm_identity import VLLMIdentity
 from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, LoadOp, SaveOp, SchedulerSide  # noqa: F401
-from kvtier.connectors.vllm_worker import WorkerSide
+from kvtier.connectors.vllm_worker import WorkerSide, to_vllm_events
 from kvtier.errors import ConfigError, CorruptRecordError, ProtocolError, StorageError
 from kvtier.identity import num_blocks_of
 from kvtier.metrics import Metrics
@@ -94,6 +94,13 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self.backend: KVBackend | None = self._open_backend()
         self._events: KVTierEvents | None = None
         self._init_scheduler()
+        self._feed = None  # the kvtier server's chunks as this engine's KV events (scheduler side)
+        if role == KVConnectorRole.SCHEDULER and not self._in_process:
+            from kvtier.connectors.server_feed import engine_flush, open_feed
+
+            self._feed = open_feed(vllm_config, self.block_size, endpoint=settings.server_events,
+                                   replay_endpoint=settings.server_events_replay, server_url=settings.server_url,
+                                   secret_file=settings.auth_secret_file, flush=engine_flush(self, to_vllm_events))
         self._init_worker()
         if self.can_load and tc.kv_load_failure_policy != "recompute":
             logger.warning("kvtier: kv_load_failure_policy is %r: a kvtier load that fails (server gone, L2 error, "
@@ -180,6 +187,15 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         if self._events is not None:
             events, self._events = self._events.get_all_events(), None
             yield from events
+        if self._feed is not None:
+            yield from to_vllm_events(self._feed.take_events())
+
+    def reset_cache(self) -> bool:
+        # vLLM's AllBlocksCleared (published before these events) wipes every tier of this worker in a
+        # router, but kvtier keeps its chunks: announce the server's again
+        if self._feed is not None:
+            self._feed.reannounce()
+        return super().reset_cache()
 
     def get_kv_connector_kv_cache_events(self):
         if not self._worker_events:
@@ -192,5 +208,7 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         return False  # a best-effort cache: a dropped save is a later miss
 
     def shutdown(self):
+        if self._feed is not None:
+            self._feed.close()
         if self.backend is not None:
             self._call("close", self.backend.close)
