@@ -125,6 +125,13 @@ class KVBackend(Protocol):
         """
         ...
 
+    def prefetch(self, tokens, namespace: str | None = None, *, wait: bool = False) -> int:
+        """Hint: bring the leading chunks of ``tokens`` that only L2 holds into L1 ahead of ``retrieve_chunks``
+        (a connector sends it as soon as the scheduler knows a prompt). A server client returns 0 at once
+        unless ``wait``; with ``wait`` (and always in process) it returns the leading tokens L1 holds after the
+        promotion. Chunks gone meanwhile are a miss, never an error. Raises InputError for bad tokens."""
+        ...
+
     def flush(self, timeout_seconds: float = 30.0) -> bool:
         """Wait at most ``timeout_seconds`` until queued L2 writes are done (durable). False on timeout or
         when unavailable."""

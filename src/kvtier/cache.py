@@ -116,8 +116,10 @@ class Tiers:
         self.metrics.set("kvtier_l1_usage_bytes", self.l1.used_bytes)
         self.metrics.set("kvtier_l1_chunks", self.l1.num_chunks)
 
-    def clear(self, medium: str | None = None) -> None:
-        """Drop everything (``medium=None``: AllBlocksCleared), or only L1 (``"CPU"``) or only L2 (``"STORAGE"``)."""
+    def clear(self, medium: str | None = None, *, wait: bool = True) -> None:
+        """Drop everything (``medium=None``: AllBlocksCleared), or only L1 (``"CPU"``) or only L2 (``"STORAGE"``).
+        L1 is cleared at once; L2 after its queued writes: waited for (at most 30 s) with ``wait``, else queued
+        (``L2Tier.clear_async``: lookups see no L2 chunk meanwhile)."""
         if medium not in (None, "CPU", "STORAGE"):
             raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
         if self.events is not None:
@@ -125,7 +127,10 @@ class Tiers:
         if medium in (None, "CPU"):
             self.l1.clear()
         if medium in (None, "STORAGE"):
-            self.l2.clear()
+            if wait:
+                self.l2.clear()
+            else:
+                self.l2.clear_async()
         self.refresh_gauges()
 
     def close(self, timeout_seconds: float = 10.0) -> bool:
@@ -310,13 +315,32 @@ class KVCache:
         return self.store_chunks(arr, copy_from(as_numpy(kv)), namespace, extra_keys=extra_keys)
 
     # ---- retrieve ----------------------------------------------------------------------
-    def begin_retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None) -> RetrieveTicket:
-        """Pin the leading available chunks in L1, promoting L2 hits into L1 first."""
-        arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+    def l1_prefix(self, refs: list[ChunkRef]) -> int:
+        """How many leading ``refs`` L1 holds now (no L2 access)."""
         n = 0
         while n < len(refs) and self.l1.contains(refs[n].key):
             n += 1
+        return n
+
+    def prefetch(self, tokens, namespace: str | None = None, *, extra_keys=None, wait: bool = True) -> int:
+        """``KVBackend.prefetch`` in process: promote the leading L2 hits of ``tokens`` that L1 lacks into L1 (L2
+        I/O: this call blocks on the adapters whatever ``wait`` says; the server runs it on its promotion
+        pool). Returns the leading tokens L1 holds afterwards.
+        A chunk gone from L2 (evicted, deleted) ends the prefix: a miss, never an error. Raises InputError for
+        bad tokens."""
+        arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+        n = self.l1_prefix(refs)
         if n < len(refs) and self.l2.adapters:
+            n += self._promote(arr, refs, n)
+        return refs[n - 1].end if n else 0
+
+    def begin_retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None,
+                       promote: bool = True) -> RetrieveTicket:
+        """Pin the leading available chunks in L1, promoting L2 hits into L1 first (unless ``promote`` is
+        False: then only what L1 holds now, with no L2 access)."""
+        arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+        n = self.l1_prefix(refs)
+        if promote and n < len(refs) and self.l2.adapters:
             n += self._promote(arr, refs, n)
         ticket = RetrieveTicket()
         # acquire tail first so the head ends up most recently used: tails are evicted before heads
@@ -402,7 +426,7 @@ class KVCache:
 
     # ---- housekeeping ------------------------------------------------------------------
     def clear(self, medium: str | None = None) -> None:
-        """Drop stored KV from every tier (or only ``"CPU"`` = L1, or ``"STORAGE"`` = L2)."""
+        """Drop stored KV from every tier (or only ``"CPU"`` = L1, or ``"STORAGE"`` = L2; waits for L2)."""
         self.tiers.clear(medium)
 
     def flush(self, timeout_seconds: float = 30.0) -> bool:

@@ -135,6 +135,10 @@ class ServerConfig(_Section):
     lease_seconds: float = Field(30.0, gt=0)  # pins held for a client expire after this
     max_message_bytes: int = Field(1 << 30, gt=0)
     shutdown_timeout_seconds: float = Field(10.0, ge=0)  # bounded wait for queued L2 writes
+    # L2 -> L1 promotions (retrieve of chunks only in L2, Prefetch) run on a pool, off the request thread
+    promote_timeout_seconds: float = Field(5.0, gt=0)  # a promotion not done by then is answered from L1 alone
+    promote_threads: int = Field(4, ge=1, le=256)  # worker threads of the promotion pool
+    max_promotions: int = Field(64, ge=1)  # promotions queued or running; more are answered from L1 alone
 
 
 class ConnectorConfig(_Section):

@@ -35,6 +35,14 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_l2_write_dropped_total", "counter", "L2 writes dropped because the write queue was full or the write failed."),
     MetricSpec("kvtier_l2_writes_total", "counter", "Chunk records written to an L2 adapter.", ("adapter",)),
     MetricSpec("kvtier_l2_promoted_chunks_total", "counter", "L2 hits copied into L1."),
+    MetricSpec("kvtier_l2_promote_timeouts_total", "counter", "Server promotions (retrieve or prefetch) not done "
+               "within server.promote_timeout_seconds: answered from L1 alone (a miss for the rest)."),
+    MetricSpec("kvtier_l2_promotions_refused_total", "counter", "Server promotions not started because "
+               "server.max_promotions were already in flight: answered from L1 alone."),
+    MetricSpec("kvtier_l2_promotions_in_flight", "gauge", "Server promotions queued or running on the pool."),
+    MetricSpec("kvtier_l2_probes_skipped_total", "counter", "Lookups past the L2 index whose background probe "
+               "was skipped because too many probes were queued."),
+    MetricSpec("kvtier_prefetch_requests_total", "counter", "Prefetch requests the server received (L2 to L1 promotion ahead of a retrieve)."),
     MetricSpec("kvtier_corrupt_records_total", "counter",
                "L2 records that failed verification (deleted, counted as a miss).", ("adapter",)),
     MetricSpec("kvtier_l2_auth_failures_total", "counter", "L2 records whose authentication tag (l2_record_key) "

@@ -17,8 +17,14 @@ Exchanges:
     ``Error``. A tenant's session gets no shared memory, and every namespace it names is mixed with its
     tenant (``keys.tenant_namespace``).
   * ``Lookup`` -> ``LookupReply(num_tokens, num_l1_tokens)``: leading tokens held, the first
-    ``num_l1_tokens`` of them in L1 and the rest in L2 (version 3; ``KVBackend.lookup_tiers``).
-  ``Lookup``, ``StoreBegin`` and ``RetrieveBegin`` carry the prompt's ``tokens`` and, optionally, its per-block
+    ``num_l1_tokens`` of them in L1 and the rest in L2 (version 3; ``KVBackend.lookup_tiers``); answered on the
+    request thread from L1 and the L2 adapters' in-memory indexes, never after L2 I/O.
+  * ``Prefetch`` -> ``PrefetchReply(num_tokens)``: promote the prompt's leading chunks that only L2 holds into L1
+    in the background (the connector sends it as soon as the scheduler knows a prompt); the reply comes when
+    the promotion is done or after ``server.promote_timeout_seconds``, and says how many leading tokens L1
+    holds then. Chunks gone from L2 meanwhile are a miss (a smaller ``num_tokens``), never an error. A client
+    may send it without waiting for the reply (``Client.prefetch(wait=False)``) and drop the late reply.
+  ``Lookup``, ``Prefetch``, ``StoreBegin`` and ``RetrieveBegin`` carry the prompt's ``tokens`` and, optionally, its per-block
   ``extra_keys`` (one entry per block of ``block_size`` tokens, a trailing partial block included: null or an
   array of keys; a key is a str, bin, int, null or an array of those; see ``kvtier.identity.check_extra_keys``).
   The server checks them strictly (``bad_request`` names what is wrong) and hashes them as tuples.
@@ -27,7 +33,13 @@ Exchanges:
   * ``RetrieveBegin(shm=True)`` -> ``RetrieveSlots`` (pinned arena slots) -> client copies ->
     ``RetrieveEnd`` -> ``Ok`` (the copy is valid) or ``Error(lease_expired)`` (discard it).
   * ``RetrieveBegin(shm=False)`` -> ``RetrieveData`` + one frame per chunk.
-  * ``Clear(admin_token)`` -> ``ClearReply``, or ``Error(unauthorized)`` unless the token matches the
+    When the prompt continues past L1 into chunks an L2 adapter's index holds, the server first promotes them
+    on its pool and answers when done (or after ``server.promote_timeout_seconds``, with what L1 holds: the
+    rest is a miss); other requests are answered meanwhile, so replies to one client's requests keep their
+    order only because a client sends one request at a time.
+  * ``Clear(admin_token)`` -> ``ClearReply(num_chunks)`` at once: L1 is cleared before the reply (``num_chunks``
+    L1 chunks dropped); L2 is cleared in the background after the writes queued before it (a later ``Flush``
+    waits for it; lookups see no L2 chunk meanwhile). ``Error(unauthorized)`` unless the token matches the
     server's admin token (with none configured: unless ``allow_unauthenticated_admin``).
   * ``Flush`` -> ``FlushReply`` (deferred until L2 writes are done or the timeout; the client compares
     ``HelloReply.server_id`` to tell a restarted server); ``Ping`` -> ``Ok``; ``Stats`` -> ``StatsReply``;
@@ -45,7 +57,8 @@ import numpy as np
 from kvtier.errors import InputError
 from kvtier.hashing import as_token_array
 
-PROTOCOL_VERSION = 3  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant; 3: LookupReply.num_l1_tokens
+PROTOCOL_VERSION = 4  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant; 3: LookupReply.num_l1_tokens;
+# 4: Prefetch, deferred replies (promotions on a pool)
 MAX_HEADER_BYTES = 64 << 20  # a header holds token ids, never KV; 64 MiB is ~8M tokens
 MAX_TOKENS = 8 << 20
 
@@ -114,6 +127,14 @@ class RetrieveEnd(_Msg, tag="retrieve_end"):
     ticket: Id
 
 
+class Prefetch(_Msg, tag="prefetch"):
+    """Promote the leading L2-only chunks of ``tokens`` into L1 ahead of a retrieve (``PrefetchReply``)."""
+
+    tokens: TokenIds
+    namespace: str | None = None
+    extra_keys: ExtraKeys | None = None
+
+
 class Clear(_Msg, tag="clear"):
     """Drop chunks of every cache: all tiers (``medium`` None), only L1 (``"CPU"``) or only L2 (``"STORAGE"``)."""
 
@@ -139,7 +160,8 @@ class Bye(_Msg, tag="bye"):
     pass
 
 
-Request = Hello | Lookup | StoreBegin | StoreCommit | RetrieveBegin | RetrieveEnd | Clear | Flush | Ping | Stats | Bye
+Request = (Hello | Lookup | StoreBegin | StoreCommit | RetrieveBegin | RetrieveEnd | Prefetch | Clear | Flush | Ping
+           | Stats | Bye)
 
 
 # ---- replies ----------------------------------------------------------------------------------------
@@ -193,6 +215,12 @@ class RetrieveData(_Msg, tag="retrieve_data"):
     slots: list[Slot]
 
 
+class PrefetchReply(_Msg, tag="prefetch_reply"):
+    """Leading tokens of the prompt L1 holds once the prefetch is done (or timed out)."""
+
+    num_tokens: int
+
+
 class ClearReply(_Msg, tag="clear_reply"):
     num_chunks: int
 
@@ -221,8 +249,8 @@ ERROR_CODES = ("malformed", "bad_request", "version_mismatch", "layout_mismatch"
                "no_session", "unknown_ticket", "lease_expired", "too_large", "bad_payload", "internal",
                "shutting_down", "unauthorized")
 
-Reply = (HelloReply | LookupReply | StoreSlots | StoreDone | RetrieveSlots | RetrieveData | ClearReply
-         | FlushReply | StatsReply | Ok | Error)
+Reply = (HelloReply | LookupReply | StoreSlots | StoreDone | RetrieveSlots | RetrieveData | PrefetchReply
+         | ClearReply | FlushReply | StatsReply | Ok | Error)
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -154,6 +154,22 @@ def test_flush_and_take_events(backend):
     assert backend.take_events() == []  # taken once
 
 
+def test_prefetch_brings_l2_chunks_into_l1(backend):
+    tokens = prompt(23, 2 * CHUNK)
+    kv = kv_of(23, len(tokens))
+    assert backend.prefetch(tokens, wait=True) == 0  # nothing stored: a miss, not an error
+    backend.store_chunks(tokens, Recorder(kv))
+    assert backend.flush(timeout_seconds=30.0) is True
+    clear_l1(backend)  # now only L2 holds them
+    assert backend.prefetch(tokens, wait=True) == 2 * CHUNK
+    assert backend.prefetch(tokens + prompt(24, CHUNK)) in (0, 2 * CHUNK)  # no wait: the server client says 0
+    got, copies = read_all(backend, tokens)
+    assert got.ok and got.num_tokens == 2 * CHUNK
+    assert all(np.array_equal(chunk, kv[:, :, start:start + CHUNK]) for start, chunk, _ in copies)
+    with pytest.raises(InputError):
+        backend.prefetch([-1])
+
+
 @pytest.mark.parametrize("bad", [[1.5, 2.0], [[1, 2]], [-1], "text"])
 def test_bad_tokens_raise_input_error(backend, bad):
     with pytest.raises(InputError):

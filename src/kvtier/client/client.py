@@ -62,9 +62,10 @@ class Client:
             ``hash_seed``, ``save_unfull_chunk``); a difference refuses the session.
         retry_after_seconds: after a timeout, calls are fast misses for this long before the next try.
         metrics: where ``kvtier_client_unavailable_total`` is counted (a new ``Metrics`` if None).
-        prefault: map the whole shared L1 when attaching it (``dataplane.prefault``): a one-time cost at
-            startup (about 0.5 s per GiB here) that takes page faults out of every later store and retrieve.
-            For a process that copies KV (an engine worker), not one that only looks up.
+        prefault: populate the pages of each shared-L1 slot this client is handed, once per 2 MiB region
+            (``SharedMapping.populate``), before copying: page faults are paid in batches instead of one per
+            4 KiB page on the first copy. Attaching never touches the whole arena, so start-up time and
+            committed memory do not depend on the L1 size. For a process that copies KV (an engine worker).
         secret_file: the server's secret file, or a tenant credential file (``kvtier.auth``); default
             ``$KVTIER_AUTH_SECRET_FILE``, else the file a same-user server on this host keeps for the URL's port.
 
@@ -177,8 +178,6 @@ class Client:
             if self._arena is not None:
                 self._arena.close()
             self._arena = D.attach_arena(reply.shm_name, reply.shm_capacity_bytes) if reply.shm_name else None
-            if self._arena is not None and self.prefault:
-                D.prefault(self._arena)
         self.info = reply
         if self._warned:
             log.warning("kvtier server %s is back", self.url)
@@ -276,6 +275,34 @@ class Client:
             return TierHits(0, 0)
         return TierHits(reply.num_tokens, min(reply.num_l1_tokens, reply.num_tokens))
 
+    def prefetch(self, tokens, namespace: str | None = None, *, extra_keys=None, wait: bool = False) -> int:
+        """Ask the server to promote the leading chunks of ``tokens`` that only L2 holds into L1, in the
+        background, so a later retrieve finds them in L1. ``wait`` False (the default): send and return 0 at
+        once (the server's late reply is dropped); True: wait for the promotion (at most the server's
+        ``promote_timeout_seconds``, bounded by ``timeout_seconds``) and return the leading tokens L1 holds then.
+        A prefetch of evicted chunks is a miss, never an error. 0 when the server is unavailable. Raises
+        InputError for bad tokens."""
+        arr = as_token_array(tokens)
+        with self._lock:
+            msg = P.Prefetch(id=next(self._ids), tokens=P.pack_tokens(arr), namespace=namespace, extra_keys=extra_keys)
+            if not wait:
+                self._post(msg)
+                return 0
+            reply, _ = self._call(msg)
+        return reply.num_tokens if isinstance(reply, P.PrefetchReply) else 0
+
+    def _post(self, msg) -> None:
+        """Send ``msg`` without waiting for its reply (dropped by a later ``_roundtrip``); nothing when down."""
+        if time.monotonic() < self._down_until:
+            return
+        self._drain_monitor()
+        if not self._linked or (self.info is None and not self._handshake()):
+            return
+        try:
+            self._sock.send_multipart([P.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # a full send queue: a prefetch is only a hint
+
     def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
         """Store the KV of ``tokens`` (``(num_layers, 2, T, num_kv_heads, head_dim)``, layout dtype), through
         ``store_chunks``: only the chunks the server lacks are copied.
@@ -319,6 +346,8 @@ class Client:
         # never write after half the lease: past the lease the server may have reused the slot
         budget = self.info.lease_seconds / 2
         frames = []
+        if in_shm and self.prefault:
+            self._populate(slots)
         for slot in slots:
             if in_shm and time.monotonic() - got_at > budget:
                 return False, []
@@ -361,6 +390,8 @@ class Client:
                                         deadline=deadline)
             ticket = 0
             if isinstance(reply, P.RetrieveSlots) and reply.slots and self._arena is not None:
+                if self.prefault:
+                    self._populate(reply.slots)
                 buffers, ticket = [self._arena.view(s.offset, s.nbytes) for s in reply.slots], reply.ticket
             elif isinstance(reply, P.RetrieveData) and reply.slots and _frames_match(payload, reply.slots):
                 buffers = [f.buffer for f in payload]
@@ -377,6 +408,10 @@ class Client:
                     done, _ = self._call(P.RetrieveEnd(id=next(self._ids), ticket=ticket), retry=False,
                                          deadline=deadline)
                     got.ok = isinstance(done, P.Ok)
+
+    def _populate(self, slots) -> None:
+        for slot in slots:
+            self._arena.populate(slot.offset, slot.nbytes)
 
     def _chunk_views(self, slots, buffers) -> list:
         chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()

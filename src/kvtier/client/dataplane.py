@@ -5,6 +5,10 @@ each chunk straight into a reserved slot (store) or out of a pinned slot (retrie
 sends offsets. Otherwise each chunk travels as one raw ZMQ frame (C-contiguous chunk bytes,
 ``(num_layers, 2, n, num_kv_heads, head_dim)`` in the layout dtype). Either way one copy per direction.
 
+Attaching maps the file without touching it (no ``MAP_POPULATE``, no prefault of the whole arena), so attach
+time and the client's committed memory do not grow with the L1 size; a copying client populates the 2 MiB
+regions of the slots it is handed, once each (``SharedMapping.populate``).
+
 Only the server allocates in the arena (``kvtier.l1.arena``); a client maps it and reads or writes at the
 offsets the server hands out, so nothing here imports the storage side.
 """
@@ -26,6 +30,7 @@ from kvtier.protocol import Slot
 from kvtier.shm import check_range, shm_path
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14, include/uapi/asm-generic/mman-common.h
+POPULATE_BYTES = 2 << 20  # granule of SharedMapping.populate: one huge page, a few chunks of KV
 log = logging.getLogger(__name__)
 
 
@@ -73,6 +78,8 @@ class SharedMapping:
         self.capacity_bytes = capacity_bytes
         self._buf = memoryview(self._mmap)
         self._closed = False
+        # one flag per POPULATE_BYTES region: already populated in this process (see ``populate``)
+        self._populated = bytearray(-(-capacity_bytes // POPULATE_BYTES))
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """Writable memoryview (format ``B``) of ``nbytes`` bytes at ``offset``; no copy.
@@ -83,6 +90,33 @@ class SharedMapping:
             raise KVTierError("shared mapping is closed")
         check_range(offset, nbytes, self.capacity_bytes)
         return self._buf[offset : offset + nbytes]
+
+    def populate(self, offset: int, nbytes: int) -> int:
+        """Prefault the ``POPULATE_BYTES`` regions covering ``[offset, offset + nbytes)`` that this process has
+        not populated yet (``prefault``); returns how many regions were populated now. This is how a copying
+        client pays page faults in batches for the slots it uses, never for the whole arena: attach cost and
+        committed memory stay independent of the L1 size. Raises InputError when the range is outside the
+        mapping, KVTierError when closed."""
+        if self._closed:
+            raise KVTierError("shared mapping is closed")
+        check_range(offset, nbytes, self.capacity_bytes)
+        first, last = offset // POPULATE_BYTES, (offset + max(nbytes, 1) - 1) // POPULATE_BYTES
+        done = 0
+        i = first
+        while i <= last:
+            if self._populated[i]:
+                i += 1
+                continue
+            j = i
+            while j + 1 <= last and not self._populated[j + 1]:
+                j += 1
+            start = i * POPULATE_BYTES
+            stop = min((j + 1) * POPULATE_BYTES, self.capacity_bytes)
+            prefault(self, start, stop - start)  # refused: the copy faults pages in by itself
+            self._populated[i:j + 1] = b"\x01" * (j + 1 - i)
+            done += j + 1 - i
+            i = j + 1
+        return done
 
     def close(self) -> None:
         """Unmap (idempotent). Views still held keep the pages mapped until they are garbage-collected;
@@ -105,24 +139,40 @@ def attach_arena(shm_name: str, capacity_bytes: int) -> SharedMapping | None:
         return None
 
 
-def prefault(mapping: SharedMapping) -> bool:
-    """Map every page of the attached arena writable now (``madvise(MADV_POPULATE_WRITE)``), allocating the
-    server's tmpfs pages not yet touched. Contents are unchanged. Without it each 4 KiB page costs a page
-    fault on its first copy in this process, which made a store or a fresh process's first retrieve
-    several times slower than the copy itself. Costs one pass over the arena at startup and commits the
-    whole L1 (``--l1-size-gb``) in /dev/shm. Returns False (and logs why) when the kernel refuses it."""
-    buf = mapping.view(0, mapping.capacity_bytes)
+def prefault(mapping: SharedMapping, offset: int = 0, nbytes: int | None = None) -> bool:
+    """Map the pages of ``[offset, offset + nbytes)`` of the attached arena writable now
+    (``madvise(MADV_POPULATE_WRITE)``; default: the whole arena), allocating the server's tmpfs pages not yet
+    touched. Contents are unchanged. One call populates a range in a batch, far cheaper than a page fault per
+    4 KiB page on the first copy. Returns False (and logs why, once) when the kernel refuses it; the pages are
+    then mapped on first use. Raises InputError when the range is not inside the mapping."""
+    nbytes = mapping.capacity_bytes - offset if nbytes is None else nbytes
+    buf = mapping.view(offset, nbytes)
     try:
         address = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        if libc.madvise(address, mapping.capacity_bytes, _MADV_POPULATE_WRITE) == 0:
+        if _madvise(address, nbytes, _MADV_POPULATE_WRITE) == 0:
             return True
-        log.info("could not prefault the shared L1 (%s); pages are mapped on first use",
-                 os.strerror(ctypes.get_errno()))
+        global _WARNED_POPULATE
+        if not _WARNED_POPULATE:
+            log.info("could not prefault the shared L1 (%s); pages are mapped on first use",
+                     os.strerror(ctypes.get_errno()))
+            _WARNED_POPULATE = True
         return False
     finally:
         buf.release()  # no export may outlive this call: the mapping must stay closable
+
+
+_WARNED_POPULATE = False
+_LIBC = None
+
+
+def _madvise(address: int, nbytes: int, advice: int) -> int:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = mmap.PAGESIZE
+    start = address // page * page  # madvise wants a page-aligned start
+    return _LIBC.madvise(start, nbytes + (address - start), advice)
 
 
 def slot_tokens(slot: Slot, layout: KVLayout) -> int:

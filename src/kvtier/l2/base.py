@@ -46,6 +46,7 @@ class L2Adapter(ABC):
       * ``get`` returns the exact bytes put, or None; never a torn or mixed record.
       * methods may raise; ``L2Tier`` turns any exception into a miss plus ``kvtier_l2_errors_total``.
       * adapters with a capacity evict by themselves and report evicted names through ``on_evict``.
+      * ``indexed`` never does I/O; every other method may.
     """
 
     config_class: type[AdapterConfig] = AdapterConfig
@@ -66,6 +67,14 @@ class L2Adapter(ABC):
     @abstractmethod
     def contains(self, names: Sequence[str]) -> list[bool]:
         """Which ``names`` are stored (from the index where the adapter keeps one)."""
+
+    def indexed(self, names: Sequence[str]) -> list[bool] | None:
+        """Which ``names`` the adapter's in-memory index holds, answered without I/O (no request to a service,
+        no file-system call): what a lookup on the server's request thread may ask. None when the adapter keeps
+        no index; ``L2Tier`` then keeps one for it (filled from ``list_names`` at start, updated on put,
+        delete, eviction and reads). The index may lag: a record another writer stored is adopted by
+        ``contains``, one deleted behind the adapter's back is forgotten when ``get`` misses it."""
+        return None
 
     @abstractmethod
     def delete(self, names: Sequence[str]) -> int:

@@ -112,6 +112,9 @@ class FaultyAdapter(L2Adapter):
         self._before("contains")
         return self.inner.contains(names)
 
+    def indexed(self, names: Sequence[str]) -> list[bool] | None:
+        return self.inner.indexed(names)  # in memory: no I/O to delay or fail
+
     def delete(self, names: Sequence[str]) -> int:
         self._before("delete")
         return self.inner.delete(names)

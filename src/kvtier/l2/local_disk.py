@@ -143,6 +143,10 @@ class LocalDiskAdapter(L2Adapter):
             out.append(True)
         return out
 
+    def indexed(self, names: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [name in self._index for name in names]
+
     def delete(self, names: Sequence[str]) -> int:
         paths = [(self._path(name), name) for name in names]
         count = 0

@@ -114,6 +114,9 @@ class MemoryAdapter(L2Adapter):
         records = self._store.records
         return [name in records for name in names]
 
+    def indexed(self, names: Sequence[str]) -> list[bool]:
+        return self.contains(names)  # the records are the index: no I/O
+
     def delete(self, names: Sequence[str]) -> int:
         s = self._store
         count = 0

@@ -283,7 +283,13 @@ class RedisAdapter(RemoteAdapter):
         return data
 
     def _contains(self, names: Sequence[str]) -> list[bool]:
-        return [bool(n) for n in self._execute("contains", lambda p: [p.exists(self._key(n)) for n in names])]
+        found = [bool(n) for n in self._execute("contains", lambda p: [p.exists(self._key(n)) for n in names])]
+        for name, hit in zip(names, found):  # adopt what another writer stored (size known after list_names)
+            if hit:
+                self._index.setdefault(name, 0)
+            else:
+                self._index.pop(name, None)
+        return found
 
     def _delete(self, names: list[str]) -> int:
         heads = self._replace("delete", [(n, None) for n in names])

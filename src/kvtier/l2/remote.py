@@ -217,6 +217,10 @@ class RemoteAdapter(L2Adapter):
             return [False] * len(names)
         return self._contains(names)
 
+    def indexed(self, names: Sequence[str]) -> list[bool]:
+        index = self._index  # list_names may swap in a new dict meanwhile; either is a valid answer
+        return [name in index for name in names]
+
     def delete(self, names: Sequence[str]) -> int:
         if not names or not self._link.ready():
             return 0

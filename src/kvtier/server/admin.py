@@ -113,7 +113,8 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
                                 headers={"WWW-Authenticate": "Bearer"})
         medium = body.get("medium", request.query_params.get("medium"))
         try:
-            num_chunks = await asyncio.to_thread(server.clear, medium)
+            # off the request thread: this one may wait for the L2 clear (at most 30 s)
+            num_chunks = await asyncio.to_thread(server.clear, medium, wait=True)
         except KVTierError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         return JSONResponse({"cleared": True, "medium": medium, "num_l1_chunks": num_chunks})

@@ -1,6 +1,13 @@
 """The kvtier server: one L1 (in shared memory) and one L2 cascade serving every engine on the host.
 
-A ZMQ ROUTER answers the requests of ``kvtier.protocol`` from one thread. Caches are made per
+Threading model: one request thread runs ``serve_forever``: a ZMQ ROUTER answers the requests of
+``kvtier.protocol`` under ``self.lock`` (shared with the admin HTTP thread), and never waits for L2 I/O.
+Lookups read L1 and the L2 adapters' in-memory indexes (``L2Tier.lookup``); a retrieve whose prompt
+continues into L2-only chunks, and every ``Prefetch``, is handed to the promotion pool
+(``kvtier.server.promote``) and answered by the request thread when the pool finishes or when
+``server.promote_timeout_seconds`` passes (then from L1 alone: the rest is a miss); ``Flush`` is answered
+when the L2 write queue drains; ``Clear`` clears L1 at once and queues the L2 clear behind the writes.
+L2 writes, probes and clears run on ``L2Tier``'s own daemon threads. Caches are made per
 (model, KV layout, namespace) on ``Hello`` and share the tiers. Store and retrieve hand out L1 slots;
 each reservation or pin is a *lease* that expires after ``server.lease_seconds``: an expired store is
 aborted (its half-written chunk never becomes visible) and an expired retrieve is unpinned (the
@@ -26,6 +33,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
 from kvtier.server.auth import pick_port, server_keyring, tenant_of
+from kvtier.server.promote import Job, Promoter
 from kvtier.server.session import (
     HandshakeRefused,
     Lease,
@@ -110,6 +118,7 @@ class KVTierServer:
         self._next_ticket = 1
         self._flushes: list[tuple[bytes, int, float]] = []  # deferred Flush replies: (identity, id, deadline)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
+        self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
         self.metrics.set("kvtier_connected_clients", 0)
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -117,7 +126,9 @@ class KVTierServer:
         """Answer requests until ``stop()``; then abort outstanding leases. Call ``close()`` afterwards."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        tick_ms = int(min(200, max(10, self.config.server.lease_seconds * 250)))
+        poller.register(self.promoter.fileno(), zmq.POLLIN)
+        srv = self.config.server
+        tick_ms = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
         while not self.stopping.is_set():
             self.heartbeat = time.monotonic()
             if poller.poll(tick_ms):
@@ -127,6 +138,8 @@ class KVTierServer:
                     except zmq.Again:
                         break
                     self._dispatch(frames)
+                self._answer_promotions(self.promoter.take_ready())
+            self._answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
             self._expire()
         with self.lock:
             for ticket in list(self.leases):
@@ -228,7 +241,7 @@ class KVTierServer:
         refusal = admin_refusal(self.config, msg.admin_token)
         if refusal:
             return self._err(msg, "unauthorized", refusal), []
-        return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium)), []
+        return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium, wait=False)), []
 
     def _on_Flush(self, identity, session, msg, payload):
         if self.tiers.l2.flush(0):
@@ -309,11 +322,66 @@ class KVTierServer:
             self.metrics.observe("kvtier_store_seconds", time.monotonic() - lease.started)
         return P.StoreDone(id=msg.id, num_stored=stored), []
 
+    def _promote_later(self, identity, session, msg) -> bool:
+        """Hand the promotion of the L2-only chunks of ``msg.tokens`` to the pool when an L2 index holds the
+        first chunk L1 lacks. True: the reply is deferred (``_answer_promotions``)."""
+        cache = session.cache
+        namespace = session.namespace_for(msg.namespace)
+        tokens = P.unpack_tokens(msg.tokens)
+        _, refs = cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys)
+        n = cache.l1_prefix(refs)
+        if n == len(refs) or not self.tiers.l2.lookup([refs[n].key]):
+            return False
+        now = time.monotonic()
+        job = Job(identity, msg, session, now, now + self.config.server.promote_timeout_seconds)
+        if self.promoter.submit(job, lambda: cache.prefetch(tokens, namespace, extra_keys=msg.extra_keys)):
+            return True
+        self.metrics.inc("kvtier_l2_promotions_refused_total")
+        return False
+
+    def _answer_promotions(self, jobs: list[Job], timed_out: bool = False) -> None:
+        """Reply to finished (or timed-out) promotions; a client gone meanwhile gets nothing and pins nothing."""
+        if not jobs:
+            return
+        with self.lock:
+            replies = []
+            for job in jobs:
+                if timed_out:
+                    self.metrics.inc("kvtier_l2_promote_timeouts_total")
+                    log.warning("L2 promotion for %s not done after %.1f s: answered from L1",
+                                type(job.msg).__name__, self.config.server.promote_timeout_seconds)
+                if self.sessions.get(job.identity) is not job.session:  # said Bye, went idle, or said Hello again
+                    continue
+                handler = self._retrieve_reply if isinstance(job.msg, P.RetrieveBegin) else self._prefetch_reply
+                try:
+                    replies.append((job.identity, *handler(job.identity, job.session, job.msg, job.started)))
+                except KVTierError as exc:
+                    replies.append((job.identity, self._err(job.msg, "bad_request", str(exc)), []))
+        for identity, reply, out in replies:
+            self._send(identity, reply, out)
+
+    def _on_Prefetch(self, identity, session, msg, payload):
+        self.metrics.inc("kvtier_prefetch_requests_total")
+        if self._promote_later(identity, session, msg):
+            return None, []
+        return self._prefetch_reply(identity, session, msg, time.monotonic())
+
+    def _prefetch_reply(self, identity, session, msg, started):
+        _, refs = session.cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
+                                           extra_keys=msg.extra_keys)
+        n = session.cache.l1_prefix(refs)
+        return P.PrefetchReply(id=msg.id, num_tokens=refs[n - 1].end if n else 0), []
+
     def _on_RetrieveBegin(self, identity, session, msg, payload):
-        started = time.monotonic()
+        if self._promote_later(identity, session, msg):
+            return None, []
+        return self._retrieve_reply(identity, session, msg, time.monotonic())
+
+    def _retrieve_reply(self, identity, session, msg, started):
+        """Pin what L1 holds of the prompt (no L2 access) and answer ``RetrieveBegin``."""
         cache = session.cache
         ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                      extra_keys=msg.extra_keys)
+                                      extra_keys=msg.extra_keys, promote=False)
         shm = msg.shm and session.shm
         if not shm:
             keep = self._frame_budget(ticket.slots)
@@ -370,13 +438,18 @@ class KVTierServer:
                 self.metrics.set("kvtier_connected_clients", len(self.sessions))
 
     # ---- admin ---------------------------------------------------------------------------------
-    def clear(self, medium: str | None = None) -> int:
+    def clear(self, medium: str | None = None, *, wait: bool = False) -> int:
         """Drop every chunk in L1 and L2, or only ``"CPU"`` (L1) / ``"STORAGE"`` (L2); in-flight reservations
-        stay. Returns the L1 chunks dropped. Raises InputError for another medium."""
+        stay. L1 is cleared before returning; L2 is queued behind its pending writes (``L2Tier.clear_async``;
+        lookups see no L2 chunk until it is done) unless ``wait`` (at most 30 s, never on the request thread).
+        Returns the L1 chunks dropped. Raises InputError for another medium."""
         with self.lock:
             before = self.tiers.l1.num_chunks
-            self.tiers.clear(medium)
-            return before - self.tiers.l1.num_chunks
+            self.tiers.clear(medium, wait=False)
+            dropped = before - self.tiers.l1.num_chunks
+        if wait:
+            self.tiers.l2.flush()
+        return dropped
 
     def health(self) -> tuple[bool, str]:
         """(healthy, reason): the request loop is running and answering."""
@@ -397,12 +470,14 @@ class KVTierServer:
                        for s in self.sessions.values()]
             leases = {"store": sum(1 for x in self.leases.values() if x.kind == "store"),
                       "retrieve": sum(1 for x in self.leases.values() if x.kind == "retrieve")}
-            return {"clients": clients, "leases": leases, "caches": len(self.caches)}
+            return {"clients": clients, "leases": leases, "caches": len(self.caches),
+                    "promotions": {"waiting": len(self.promoter.waiting), "in_flight": self.promoter.in_flight}}
 
     def close(self) -> bool:
         """Finish queued L2 writes (bounded by ``server.shutdown_timeout_seconds``), close the socket,
         unmap and unlink the shared L1. Returns False if L2 writes were still pending at the deadline."""
         self.stopping.set()
+        self.promoter.close()
         done = self.tiers.close(self.config.server.shutdown_timeout_seconds)
         if self._shm_lock is not None:
             os.close(self._shm_lock)

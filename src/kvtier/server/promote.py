@@ -1,0 +1,150 @@
+"""Promotions off the request thread: a pool of daemon workers running L2 -> L1 copies for the server.
+
+Life of a promotion::
+
+    request loop: submit(job, fn)   (False: max_promotions in flight, answer from L1 now)
+    worker:       fn()              (L2 reads and L1 copies; never touches the socket or the server lock)
+                  -> ready queue + one byte on a pipe the loop polls
+    request loop: take_ready()      (finished jobs not yet answered) or take_expired(now) (past the
+                  deadline: answered from L1 alone, counted in kvtier_l2_promote_timeouts_total)
+
+A job is answered exactly once, by whichever of ``take_ready`` / ``take_expired`` sees it first; a worker that
+finishes after its deadline still leaves its copies in L1 (useful to the next request) but sends nothing.
+A job whose deadline passed before a worker picked it up is skipped. Workers are daemon threads: an adapter
+that hangs forever holds its worker, never the process (``max_promotions`` bounds what piles up behind it).
+
+Thread-safety: ``submit``, ``take_ready``, ``take_expired`` and ``close`` are called by the request loop only;
+workers touch the job's ``fn`` and the ready queue. L1 and L2 are thread-safe on their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    """One promotion a client waits for: who asked (routing ``identity``), the request, its session and deadline
+    (``time.monotonic()`` seconds). ``result`` is what ``fn`` returned (None if it raised or was skipped)."""
+
+    identity: bytes
+    msg: Any
+    session: Any
+    started: float
+    deadline: float
+    result: Any = None
+    answered: bool = False
+    finished: bool = field(default=False, repr=False)
+
+
+class Promoter:
+    """The promotion pool.
+
+    Args:
+        threads: worker threads (``server.promote_threads``).
+        max_jobs: jobs queued or running, abandoned ones included (``server.max_promotions``).
+        metrics: where ``kvtier_l2_promotions_in_flight`` is kept.
+    """
+
+    def __init__(self, threads: int, max_jobs: int, metrics: Metrics):
+        self.max_jobs = max_jobs
+        self.metrics = metrics
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        self._lock = threading.Lock()
+        self._in_flight = 0  # submitted and not finished (abandoned ones too: their worker may still be stuck)
+        self.waiting: dict[int, Job] = {}  # id(job) -> job, submitted and not answered
+        self._threads = [threading.Thread(target=self._work, name=f"kvtier-promote-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def fileno(self) -> int:
+        """A file descriptor readable when finished jobs are waiting (for ``zmq.Poller``)."""
+        return self._rfd
+
+    def submit(self, job: Job, fn: Callable[[], Any]) -> bool:
+        """Queue ``fn`` for ``job``; False (nothing queued) when ``max_jobs`` are in flight."""
+        with self._lock:
+            if self._in_flight >= self.max_jobs:
+                return False
+            self._in_flight += 1
+            self.metrics.set("kvtier_l2_promotions_in_flight", self._in_flight)
+        self.waiting[id(job)] = job
+        self._todo.put((job, fn))
+        return True
+
+    def _work(self) -> None:
+        while True:
+            item = self._todo.get()
+            if item is None:
+                return
+            job, fn = item
+            try:
+                if not job.answered and time.monotonic() < job.deadline:  # else nobody waits for it
+                    job.result = fn()
+            except Exception:  # noqa: BLE001 -- a bug in a promotion is a miss, never a dead worker
+                log.exception("promotion failed")
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                    self.metrics.set("kvtier_l2_promotions_in_flight", self._in_flight)
+                job.finished = True
+                self._ready.put(job)
+                try:
+                    os.write(self._wfd, b"x")
+                except OSError:  # the pipe is full of wake-ups already, or closed by close()
+                    pass
+
+    def take_ready(self) -> list[Job]:
+        """Finished jobs still waiting for their answer (marked answered)."""
+        try:
+            while os.read(self._rfd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                job = self._ready.get_nowait()
+            except queue.Empty:
+                return out
+            if not job.answered:
+                job.answered = True
+                self.waiting.pop(id(job), None)
+                out.append(job)
+
+    def take_expired(self, now: float) -> list[Job]:
+        """Unfinished jobs past their deadline (marked answered; their workers' results will be ignored)."""
+        out = [job for job in self.waiting.values() if job.deadline <= now and not job.answered]
+        for job in out:
+            job.answered = True
+            del self.waiting[id(job)]
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs queued or running (abandoned ones whose worker is still busy included)."""
+        with self._lock:
+            return self._in_flight
+
+    def close(self) -> None:
+        """Stop idle workers (busy ones are daemons and die with the process) and close the pipe."""
+        for _ in self._threads:
+            self._todo.put(None)
+        for fd in (self._rfd, self._wfd):
+            os.close(fd)
