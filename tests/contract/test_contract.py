@@ -194,6 +194,22 @@ def test_delete(adapter_factory):
     assert adapter.delete([recs[0].name]) == 0
 
 
+def test_index_follows_put_delete_and_clear(adapter_factory):
+    """``indexed`` (no I/O) agrees with what the adapter itself put, deleted and cleared; None means the
+    adapter keeps no index (the L2 tier keeps one for it)."""
+    recs = [make_record(i) for i in range(3)]
+    adapter = adapter_factory()
+    if adapter.indexed([]) is None:
+        pytest.skip(f"{adapter.label} keeps no index")
+    assert adapter.indexed([r.name for r in recs]) == [False, False, False]
+    adapter.put([(r.name, r.parts) for r in recs])
+    assert adapter.indexed([r.name for r in recs]) == [True, True, True]
+    adapter.delete([recs[1].name])
+    assert adapter.indexed([r.name for r in recs]) == [True, False, True]
+    adapter.clear()
+    assert adapter.indexed([r.name for r in recs]) == [False, False, False]
+
+
 def test_clear(adapter_factory):
     recs = [make_record(i) for i in range(3)]
     adapter = adapter_factory()

@@ -155,13 +155,15 @@ def test_two_servers_share_one_store(stores, tmp_path, kind):
             assert cb.lookup(tokens) == 0
             assert ca.store(tokens, kv) == 3
             assert ca.flush(30)  # A's write-through reached the shared store
-            assert cb.lookup(tokens) == len(tokens)
+            # B answers lookups from its index; the first lookup past it probes the store in the background
+            services.wait_for(lambda: cb.lookup(tokens) == len(tokens), 30, "B to find A's chunks")
             out, n = cb.retrieve(tokens)
             assert n == len(tokens) and torch.equal(out, kv)
             # and the other way: B extends the prompt, A reads B's chunk from the store
             more, more_kv = prompt(1, seed=99 + len(kind))
             longer, longer_kv = tokens + more, torch.cat([kv, more_kv], dim=2)
             assert cb.store(longer, longer_kv) == 1 and cb.flush(30)
+            services.wait_for(lambda: ca.lookup(longer) == len(longer), 30, "A to find B's chunk")
             out, n = ca.retrieve(longer)
             assert n == len(longer) and torch.equal(out, longer_kv)
         assert b.status()["l1"]["num_chunks"] == 4 and a.status()["l1"]["num_chunks"] == 4

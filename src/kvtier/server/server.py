@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -49,6 +50,7 @@ from kvtier.zap import guarded_router
 log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
 MAX_BATCH = 256  # messages handled per poll wake-up before leases are checked
+SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 class KVTierServer:
@@ -124,6 +126,9 @@ class KVTierServer:
     # ---- loop ----------------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Answer requests until ``stop()``; then abort outstanding leases. Call ``close()`` afterwards."""
+        # the request thread wakes from poll needing the GIL: a busy helper thread (promotion, writer, admin)
+        # would keep it for up to the 5 ms default switch interval, a lookup takes ~0.1 ms
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_SECONDS))
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.promoter.fileno(), zmq.POLLIN)

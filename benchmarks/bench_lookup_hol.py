@@ -1,0 +1,142 @@
+"""Head-of-line blocking benchmark: lookup latency while one L2 adapter answers every call late.
+
+Two ``kvtier server`` subprocesses are measured one after the other in the same run, identical but for the L2
+adapter: a local_disk adapter wrapped by the fault-injecting adapter (``kvtier.l2.faulty``) with
+``latency_ms`` 0 (the baseline) and ``--delay-ms`` (default 100) on every call (put, get, contains, delete).
+L1 holds about a quarter of the ``--prompts`` prompts (``--chunks`` chunks of 256 tokens each), so most
+prompts live only in L2. ``--clients`` client processes then run an engine-like loop for ``--duration``
+seconds, one call every ``--interval-seconds``: look up a random prompt; on a hit retrieve it (an L2-only
+prompt is promoted from the slow adapter), on a miss store it (a write through the slow adapter). Only the
+lookups are timed (wall clock around ``Client.lookup``, round trip included). Figures: lookup p50 and p99 for
+each server, and the ratio delayed / baseline of p99 (target: p99 <= 1 ms with the delay).
+
+Run: ``.venv/bin/python benchmarks/bench_lookup_hol.py`` (defaults: 8 clients, 100 ms, 20 s per server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+from kvtier.client import Client
+from kvtier.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # lookup cost does not depend on the KV size
+CHUNK = 256
+MODEL = "bench-hol"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(count: int, chunks: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 50_000, chunks * CHUNK).tolist() for _ in range(count)]
+
+
+def kv_for(tokens: list[int]) -> np.ndarray:
+    return np.full(LAYOUT.chunk_shape(len(tokens)), tokens[0] % 97, dtype=LAYOUT.numpy_dtype())
+
+
+def start_server(work: str, delay_ms: float, l1_bytes: int):
+    port, admin = free_port(), free_port()
+    spec = {"type": "faulty", "latency_ms": delay_ms, "inner": {"type": "local_disk", "path": f"{work}/l2-{port}"}}
+    cmd = [sys.executable, "-m", "kvtier", "server", "--port", str(port), "--admin-port", str(admin),
+           "--l1-size-gb", str(l1_bytes / 1e9), "--eviction-policy", "LRU", "--chunk-size", str(CHUNK),
+           "--l2-adapter", json.dumps(spec), "--log-level", "ERROR"]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{admin}/healthz", timeout=1).status_code == 200:
+                return proc, f"tcp://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def client_loop(url: str, pool: list[list[int]], duration: float, interval: float, seed: int, out) -> None:
+    rng = random.Random(seed)
+    lat, kinds = [], {"hit": 0, "miss": 0}
+    with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=30) as client:
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            tokens = rng.choice(pool)
+            t0 = time.perf_counter()
+            n = client.lookup(tokens)
+            lat.append(time.perf_counter() - t0)
+            if n:
+                kinds["hit"] += 1
+                client.retrieve(tokens)  # an L2-only prompt is promoted through the slow adapter
+            else:
+                kinds["miss"] += 1
+                client.store(tokens, kv_for(tokens))  # written through the slow adapter
+            time.sleep(interval)
+    out.put((lat, kinds))
+
+
+def measure(work: str, delay_ms: float, args, pool) -> dict:
+    chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
+    l1_bytes = max(len(pool) * args.chunks * chunk_bytes // 4, 4 * args.chunks * chunk_bytes)
+    proc, url = start_server(work, delay_ms, l1_bytes)
+    try:
+        with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=60) as setup:
+            for tokens in pool:  # every prompt in L2; L1 keeps the most recent quarter
+                setup.store(tokens, kv_for(tokens))
+            assert setup.flush(300), "L2 writes did not finish"
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=client_loop, args=(url, pool, args.duration, args.interval_seconds, i, out))
+                 for i in range(args.clients)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=args.duration + 300) for _ in procs]
+        for p in procs:
+            p.join(60)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    lat = np.array([x for r in results for x in r[0]])
+    hits = sum(r[1]["hit"] for r in results)
+    misses = sum(r[1]["miss"] for r in results)
+    return {"delay_ms": delay_ms, "lookups": len(lat), "hits": hits, "misses": misses,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+            "max_ms": float(lat.max() * 1e3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--delay-ms", type=float, default=100.0)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of client load per server")
+    ap.add_argument("--interval-seconds", type=float, default=0.02, help="pause between a client's calls")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--chunks", type=int, default=8, help="chunks of 256 tokens per prompt")
+    args = ap.parse_args()
+    pool = prompts(args.prompts, args.chunks)
+    with tempfile.TemporaryDirectory(prefix="kvtier-hol-") as work:
+        rows = [measure(work, 0.0, args, pool), measure(work, args.delay_ms, args, pool)]
+    for r in rows:
+        print(f"L2 delay {r['delay_ms']:5.0f} ms: {r['lookups']} lookups ({r['hits']} hits, {r['misses']} misses) "
+              f"p50 {r['p50_ms']:.3f} ms, p99 {r['p99_ms']:.3f} ms, max {r['max_ms']:.1f} ms")
+    base, slow = rows
+    print(f"ratio p99 delayed / baseline: {slow['p99_ms'] / base['p99_ms']:.2f}x; "
+          f"p99 with a {args.delay_ms:g} ms adapter: {slow['p99_ms']:.3f} ms (target <= 1 ms)")
+
+
+if __name__ == "__main__":
+    main()
