@@ -6,12 +6,9 @@ prefix semantics on reads (stop at the first missing chunk), error-to-miss conve
 ``kvtier_l2_errors_total``, and the bounded asynchronous write-through queue (a full queue drops
 the write and counts it; it never blocks the caller).
 
-Lookups never do I/O: ``lookup`` answers from the adapters' in-memory indexes (``L2Adapter.indexed``; for an
-adapter without one the tier keeps a name set, filled by ``list_names`` on a background thread at start and
-kept up to date by writes, deletes, evictions and reads), so a slow or hung adapter cannot stall the caller.
-Where the index ends before the prompt does, a background *probe* (``contains``, real I/O, on the daemon
-thread ``kvtier-l2-probe``) asks the adapters, so a record another writer stored (another server sharing the
-bucket) is found by a later lookup. ``read`` (promotion) does real I/O and belongs off the request thread.
+Lookups never do I/O: ``lookup`` answers from the adapters' in-memory indexes (``l2.index.L2Index``, which
+also probes in the background for records other writers stored), so a slow or hung adapter cannot stall the
+caller. ``read`` (promotion) does real I/O and belongs off the request thread.
 
 Threads: the writer (``kvtier-l2-writer``), the prober and, with a record key, two signers; all daemons, so a
 hung adapter never keeps the process alive. ``clear_async`` runs in the writer, after the writes queued before
@@ -21,7 +18,6 @@ it; while one is pending, lookups answer 0 (nothing about to be deleted is annou
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -32,6 +28,7 @@ from dataclasses import dataclass
 from kvtier.errors import ConfigError, CorruptRecordError, RecordAuthError
 from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
+from kvtier.l2.index import L2Index
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
 from kvtier.record import decode_record, encode_record
@@ -47,10 +44,6 @@ class WriteItem:
     layout: KVLayout
     token_ids: list[int]
     payload: memoryview
-
-
-MAX_PROBES = 16  # probe batches waiting; more lookups past the index are not probed (counted)
-PROBE_NAMES = 32  # names asked per probe: the leading ones past the index
 
 
 @dataclass(slots=True)
@@ -101,10 +94,7 @@ class L2Tier:
         self._hasher: ThreadPoolExecutor | None = None
         self._queue: deque[_WriteBatch | _Clear] = deque()
         self._clearing = 0  # clears queued or running: lookups answer 0 meanwhile
-        # adapters without an index of their own get one here: adapter position -> names (see lookup)
-        self._own_index: dict[int, set[str]] = {i: set() for i, a in enumerate(self.adapters) if a.indexed([]) is None}
-        self._probes: queue.Queue = queue.Queue()
-        self._probing: set[str] = set()  # names queued for a probe (no duplicates)
+        self.index = L2Index(self.adapters, metrics, self._per_name)
         self._pending = 0  # chunks queued or being written
         self._cond = threading.Condition()
         self._closed = False
@@ -114,9 +104,6 @@ class L2Tier:
         if self.adapters:
             self._thread = threading.Thread(target=self._writer, name="kvtier-l2-writer", daemon=True)
             self._thread.start()
-            threading.Thread(target=self._prober, name="kvtier-l2-probe", daemon=True).start()
-        if self._own_index:
-            threading.Thread(target=self._fill_own_index, name="kvtier-l2-index", daemon=True).start()
 
     # ---- reads -------------------------------------------------------------------------
     def _call(self, adapter: L2Adapter, op: str, fn, *args, default=None):
@@ -145,88 +132,7 @@ class L2Tier:
         record another writer stored is counted by a later lookup. 0 while a ``clear_async`` is pending."""
         if not keys or not self.adapters or self._clearing:
             return 0
-        names = [k.name() for k in keys]
-        present = [False] * len(names)
-        for i, adapter in enumerate(self.adapters):
-            missing = [j for j, p in enumerate(present) if not p]
-            if not missing:
-                break
-            found = self._indexed(i, adapter, [names[j] for j in missing])
-            for j, hit in zip(missing, found):
-                present[j] = present[j] or bool(hit)
-        count = 0
-        while count < len(present) and present[count]:
-            count += 1
-        if count < len(names):
-            self._probe(names[count:count + PROBE_NAMES])
-        return count
-
-    def _indexed(self, i: int, adapter: L2Adapter, names: list[str]) -> list[bool]:
-        own = self._own_index.get(i)
-        if own is not None:
-            return [name in own for name in names]
-        try:
-            return adapter.indexed(names)
-        except Exception as exc:  # noqa: BLE001 -- a miss plus a metric, like any adapter failure
-            self.metrics.inc("kvtier_l2_errors_total", adapter=adapter.label, op="indexed")
-            log.warning("L2 adapter %s indexed failed: %s", adapter.label, exc)
-            return [False] * len(names)
-
-    def _note(self, adapter: L2Adapter, names, present: bool) -> None:
-        """Keep the tier's own index of ``adapter`` (if it has one) in step with what I/O just learned."""
-        for i, a in enumerate(self.adapters):
-            if a is adapter and i in self._own_index:
-                own = self._own_index[i]
-                if present:
-                    own.update(names)
-                else:
-                    own.difference_update(names)
-
-    def _probe(self, names: list[str]) -> None:
-        with self._cond:
-            names = [n for n in names if n not in self._probing]
-            if not names:
-                return
-            if self._probes.qsize() >= MAX_PROBES:
-                self.metrics.inc("kvtier_l2_probes_skipped_total")
-                return
-            self._probing.update(names)
-        self._probes.put(names)
-
-    def _prober(self) -> None:
-        while True:
-            names = self._probes.get()
-            if names is None:
-                return
-            try:
-                self._io_lookup(names)
-            finally:
-                with self._cond:
-                    self._probing.difference_update(names)
-
-    def _fill_own_index(self) -> None:
-        for i in list(self._own_index):
-            adapter = self.adapters[i]
-            names = self._call(adapter, "list_names", adapter.list_names, default=[]) or []
-            self._own_index[i].update(names)
-
-    def _io_lookup(self, names: list[str]) -> int:
-        """How many leading ``names`` some adapter holds, asking each adapter (``contains``: I/O). Adapters
-        adopt what they find into their index; the tier's own indexes are updated here."""
-        present = [False] * len(names)
-        for adapter in self.adapters:
-            missing = [i for i, p in enumerate(present) if not p]
-            if not missing:
-                break
-            asked = [names[i] for i in missing]
-            found = self._per_name(adapter, "contains", asked, False)
-            self._note(adapter, [n for n, hit in zip(asked, found) if hit], True)
-            for i, hit in zip(missing, found):
-                present[i] = present[i] or bool(hit)
-        count = 0
-        while count < len(present) and present[count]:
-            count += 1
-        return count
+        return self.index.held([k.name() for k in keys])
 
     def read(self, keys: Sequence[ChunkKey], token_ids: Sequence[list[int]]) -> list[memoryview]:
         """Verified payloads of the leading ``keys`` found in any adapter (stops at the first miss).
@@ -238,7 +144,7 @@ class L2Tier:
         if self._clearing:
             return []
         names = [k.name() for k in keys]
-        count = self._io_lookup(names)
+        count = self.index.probe_now(names)
         keys, names = list(keys)[:count], names[:count]
         found: list[memoryview | None] = [None] * len(keys)
         for index, adapter in enumerate(self.adapters):
@@ -246,7 +152,7 @@ class L2Tier:
             if not todo:
                 break
             bufs = self._per_name(adapter, "get", [names[i] for i in todo], None)
-            self._note(adapter, [names[i] for i, buf in zip(todo, bufs) if buf is None], False)
+            self.index.note(adapter, [names[i] for i, buf in zip(todo, bufs) if buf is None], False)
             for i, buf in zip(todo, bufs):
                 if buf is not None:
                     found[i] = self._verify(adapter, index, keys[i], token_ids[i], buf)
@@ -267,14 +173,14 @@ class L2Tier:
             self.metrics.inc("kvtier_l2_auth_failures_total" if forged else "kvtier_corrupt_records_total",
                              adapter=adapter.label)
             self._call(adapter, "delete", adapter.delete, [name])
-            self._note(adapter, [name], False)
+            self.index.note(adapter, [name], False)
             self._removed_if_gone([name])
             return None
         if self.promote_to_faster and index > 0:
             parts = [memoryview(buf)]
             for faster in self.adapters[:index]:
                 if self._call(faster, "put", faster.put, [(name, parts)], default=[False])[0]:
-                    self._note(faster, [name], True)
+                    self.index.note(faster, [name], True)
         return payload
 
     # ---- writes ------------------------------------------------------------------------
@@ -355,7 +261,7 @@ class L2Tier:
                 flags = self._call(adapter, "put", adapter.put, records, default=None)
                 if flags is None:
                     continue
-                self._note(adapter, [records[i][0] for i, ok in enumerate(flags) if ok], True)
+                self.index.note(adapter, [records[i][0] for i, ok in enumerate(flags) if ok], True)
                 for i, ok in enumerate(flags):
                     done[i] = done[i] or bool(ok)
                 self.metrics.inc("kvtier_l2_writes_total", sum(1 for f in flags if f), adapter=adapter.label)
@@ -383,7 +289,7 @@ class L2Tier:
 
     # ---- removal and status ------------------------------------------------------------
     def _on_adapter_evict(self, adapter: L2Adapter, names: list[str]) -> None:
-        self._note(adapter, names, False)
+        self.index.note(adapter, names, False)
         self.metrics.inc("kvtier_evicted_chunks_total", len(names), medium="STORAGE")
         self._removed_if_gone(names)
 
@@ -425,8 +331,7 @@ class L2Tier:
         try:
             for i, adapter in enumerate(self.adapters):
                 job.deleted += len(self._call(adapter, "clear", adapter.clear, default=[]) or [])
-                if i in self._own_index:
-                    self._own_index[i].clear()
+                self.index.forget(adapter)
         finally:
             with self._cond:
                 self._clearing -= 1
@@ -453,7 +358,7 @@ class L2Tier:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._probes.put(None)
+        self.index.close()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         if self._hasher is not None:
