@@ -263,7 +263,8 @@ def test_store_down_at_startup_then_back(tmp_path, kind):
             out, n = retrieve_cold(cache, later)
             assert n == len(later) and torch.equal(out, later_kv)
             with Client(server.url, model=MODEL, layout=LAYOUT) as client:  # the server's L2 works again too
-                assert client.lookup(later) == len(later)
+                # another writer's chunks: the first lookup past the server's index probes the store
+                services.wait_for(lambda: client.lookup(later) == len(later), 30, "the server to find the chunks")
                 out, n = client.retrieve(later)
                 assert n == len(later) and torch.equal(out, later_kv)
 
