@@ -80,7 +80,7 @@ def counter(srv: ServerProc, name: str, **labels) -> float:
 
 def test_hung_adapter_promotion_is_a_miss_after_the_deadline(tmp_path):
     tokens, kv = prompt(1, 3)
-    with server(tmp_path, faulty(tmp_path, HANG_MS, ["get"]), promote_timeout_seconds=1.0) as srv:
+    with server(tmp_path, (*faulty(tmp_path, HANG_MS, ["get"]), "--promote-timeout-seconds", "1")) as srv:
         with Client(srv.url, model="m", layout=LAYOUT, timeout_seconds=20) as client:
             only_in_l2(client, tokens, kv)
             assert client.lookup(tokens) == len(tokens)  # from the adapter's index: no get, no wait

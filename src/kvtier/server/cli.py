@@ -62,6 +62,8 @@ def _adapter_spec(value: str) -> dict:
 @click.option("--auth-secret-file", default=None, type=click.Path(dir_okay=False),
               help="Secret file (created if missing) [default: $XDG_RUNTIME_DIR/kvtier/server-<port>.secret].")
 @click.option("--lease-seconds", type=float, default=None, help="Pins held for a client expire after this [default: 30].")
+@click.option("--promote-timeout-seconds", type=float, default=None,
+              help="Deadline of an L2 -> L1 promotion; then the request is a miss [default: 5].")
 @click.option("--shared-memory/--no-shared-memory", default=None,
               help="Same-host clients copy KV through the shared L1 [default: on].")
 @click.option("--enable-kv-events/--disable-kv-events", "enable_kv_events", default=None,
@@ -76,7 +78,7 @@ def _adapter_spec(value: str) -> dict:
               help="Server log verbosity [default: INFO].")
 def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chunk_size, block_size, hash_algorithm,
            hash_seed, l2_adapters, config_path, admin_token, allow_unauthenticated_admin, auth, auth_secret_file,
-           lease_seconds, shared_memory, enable_kv_events,
+           lease_seconds, promote_timeout_seconds, shared_memory, enable_kv_events,
            kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_encoding, event_block_size,
            log_level) -> None:
     """Run the kvtier cache server: ZMQ requests on --port, admin HTTP on --admin-port."""
@@ -85,6 +87,7 @@ def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chun
                           "chain per block and events name those blocks")
     srv = {"host": host, "port": port, "admin_host": admin_host, "admin_port": admin_port,
            "admin_token": admin_token, "lease_seconds": lease_seconds, "shared_memory": shared_memory,
+           "promote_timeout_seconds": promote_timeout_seconds,
            "allow_unauthenticated_admin": allow_unauthenticated_admin, "auth": auth, "auth_secret_file": auth_secret_file}
     events = {"endpoint": kv_events_endpoint, "replay_endpoint": kv_events_replay_endpoint,
               "topic": kv_events_topic, "encoding": kv_events_encoding}
