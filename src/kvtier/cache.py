@@ -369,7 +369,8 @@ class KVCache:
                 if not self.l1.contains(ref.key):  # no room (everything pinned): stop the prefix here
                     break
             else:
-                view[:] = payload
+                # numpy copies without the GIL: a server's request thread keeps running during a promotion
+                np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(payload, np.uint8))
                 self.l1.commit(ref.key)
                 promoted += 1
             count += 1
