@@ -84,10 +84,11 @@ class RetrieveTicket:
 
 
 class Tiers:
-    """What one process shares between caches: L1, the L2 cascade, metrics and the event emitter."""
+    """What one process shares between caches: L1, the L2 cascade, metrics and the event emitter.
+    ``index_lookups``: L2 lookups from the adapters' in-memory indexes only (``L2Tier``; the server sets it)."""
 
     def __init__(self, config: KVTierConfig, *, metrics: Metrics | None = None, shm_name: str | None = None,
-                 publish_events: bool = True, auth=None):
+                 publish_events: bool = True, auth=None, index_lookups: bool = False):
         if config.l1_size_bytes <= 0:
             raise KVTierError("l1_size_gb must be > 0: L1 is where every chunk lands first; set e.g. l1_size_gb: 1")
         self.config = config
@@ -104,7 +105,7 @@ class Tiers:
         self.l1.on_evict = self._on_l1_evict
         record_key = config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None
         self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
-                         config.l2_promote_to_faster_l2, record_key, config.l2_record_auth)
+                         config.l2_promote_to_faster_l2, record_key, config.l2_record_auth, index_lookups)
         self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
 
     def _on_l1_evict(self, evicted) -> None:

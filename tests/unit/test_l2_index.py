@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from kvtier.cache import KVCache
+from kvtier.cache import KVCache, Tiers
 from kvtier.config import build_config
 from kvtier.layout import KVLayout
 
@@ -17,9 +17,10 @@ CHUNK = 16
 HANG_MS = 3_600_000
 
 
-def cache_over(spec: dict) -> KVCache:
+def cache_over(spec: dict, index_lookups: bool = True) -> KVCache:
+    """A cache whose tiers answer L2 lookups as the server's do (``index_lookups``)."""
     config = build_config({"chunk_size": CHUNK, "l1_size_gb": "16MiB", "l2_adapters": [spec]})
-    return KVCache(config, "m", LAYOUT, publish_events=False)
+    return KVCache(config, "m", LAYOUT, tiers=Tiers(config, publish_events=False, index_lookups=index_lookups))
 
 
 def disk(path) -> dict:
@@ -58,8 +59,12 @@ def test_a_record_another_writer_stored_is_found_by_a_later_lookup(tmp_path):
     assert found.is_set()
     out, n = reader.retrieve(tokens)
     assert n == len(tokens) and torch.equal(out, kv)
-    writer.close()
-    reader.close()
+    in_process = cache_over(disk(tmp_path / "shared"), index_lookups=False)
+    more, more_kv = tokens_and_kv(5, 1)
+    assert writer.store(tokens + more, torch.cat([kv, more_kv], dim=2)) == 1 and writer.flush(30)
+    assert in_process.lookup(tokens + more) == len(tokens) + CHUNK  # in process: the adapter is asked at once
+    for cache in (writer, reader, in_process):
+        cache.tiers.close()
 
 
 def test_clear_async_hides_l2_until_done(tmp_path):

@@ -6,9 +6,9 @@ prefix semantics on reads (stop at the first missing chunk), error-to-miss conve
 ``kvtier_l2_errors_total``, and the bounded asynchronous write-through queue (a full queue drops
 the write and counts it; it never blocks the caller).
 
-Lookups never do I/O: ``lookup`` answers from the adapters' in-memory indexes (``l2.index.L2Index``, which
-also probes in the background for records other writers stored), so a slow or hung adapter cannot stall the
-caller. ``read`` (promotion) does real I/O and belongs off the request thread.
+In a server (``index_lookups``) lookups never do I/O: ``lookup`` answers from the adapters' in-memory indexes
+(``l2.index.L2Index``, which also probes in the background for records other writers stored), so a slow or
+hung adapter cannot stall the request thread. ``read`` (promotion) does real I/O and belongs off that thread.
 
 Threads: the writer (``kvtier-l2-writer``), the prober and, with a record key, two signers; all daemons, so a
 hung adapter never keeps the process alive. ``clear_async`` runs in the writer, after the writes queued before
@@ -73,11 +73,14 @@ class L2Tier:
         promote_to_faster: on a hit in adapter i, also write the record into adapters before i.
         record_key: the key records are signed and checked with (``l2_record_key``), or None.
         record_auth: the MAC new records are signed with (``record.AUTH_ALGORITHMS``).
+        index_lookups: answer ``lookup`` from the in-memory indexes only (the server: its request thread must
+            never wait for an adapter); False (in process): ask the adapters (``contains``), so a record another
+            process just wrote (vLLM's scheduler and worker each open a cache over one folder) counts at once.
     """
 
     def __init__(self, adapters: Sequence[L2Adapter], metrics: Metrics, events=None,
                  queue_chunks: int = 64, promote_to_faster: bool = False, record_key: bytes | None = None,
-                 record_auth: str = "blake3"):
+                 record_auth: str = "blake3", index_lookups: bool = False):
         self.adapters = list(adapters)
         self.metrics = metrics
         self.events = events
@@ -95,6 +98,7 @@ class L2Tier:
         self._queue: deque[_WriteBatch | _Clear] = deque()
         self._clearing = 0  # clears queued or running: lookups answer 0 meanwhile
         self.index = L2Index(self.adapters, metrics, self._per_name)
+        self.index_lookups = index_lookups
         self._pending = 0  # chunks queued or being written
         self._cond = threading.Condition()
         self._closed = False
@@ -127,12 +131,14 @@ class L2Tier:
         return [self._call(adapter, op, fn, [name], default=[missing])[0] for name in names]
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        """How many leading ``keys`` some adapter holds, from the in-memory indexes only (no I/O, never blocks
-        on an adapter). Names past the indexed prefix are probed in the background (``contains``), so a
-        record another writer stored is counted by a later lookup. 0 while a ``clear_async`` is pending."""
+        """How many leading ``keys`` some adapter holds. With ``index_lookups``: from the in-memory indexes only
+        (no I/O, never blocks on an adapter); names past the indexed prefix are probed in the background
+        (``contains``), so a record another writer stored is counted by a later lookup. Otherwise: asking the
+        adapters. 0 while a ``clear_async`` is pending."""
         if not keys or not self.adapters or self._clearing:
             return 0
-        return self.index.held([k.name() for k in keys])
+        names = [k.name() for k in keys]
+        return self.index.held(names) if self.index_lookups else self.index.probe_now(names)
 
     def read(self, keys: Sequence[ChunkKey], token_ids: Sequence[list[int]]) -> list[memoryview]:
         """Verified payloads of the leading ``keys`` found in any adapter (stops at the first miss).

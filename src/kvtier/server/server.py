@@ -103,7 +103,7 @@ class KVTierServer:
         else:
             shm_name = None
         try:
-            self.tiers = Tiers(config, metrics=self.metrics, shm_name=shm_name, auth=self.keyring)
+            self.tiers = Tiers(config, metrics=self.metrics, shm_name=shm_name, auth=self.keyring, index_lookups=True)
         except BaseException:
             self.sock.close()
             self._zap.close()
