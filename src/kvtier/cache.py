@@ -9,9 +9,7 @@ clients copy through shared memory; ``store`` and ``retrieve`` (whole tensors) w
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +25,7 @@ from kvtier.l1.store import L1Store
 from kvtier.l2 import create_adapter
 from kvtier.l2.tier import L2Tier, WriteItem
 from kvtier.layout import KVLayout
+from kvtier.memo import LookupMemo
 from kvtier.metrics import Metrics
 from kvtier.tensors import as_numpy, chunk_view, copy_from, join_chunks
 
@@ -65,11 +64,17 @@ class Slot:
 
 @dataclass
 class StoreTicket:
-    """Slots reserved by ``begin_store``; invisible until ``commit_store``."""
+    """Slots reserved by ``begin_store``; invisible until ``commit_store``. ``limited``: reserving stopped at
+    the caller's ``max_bytes``, not for want of L1 space."""
 
     tokens: np.ndarray
     refs: list[ChunkRef]
     slots: list[Slot] = field(default_factory=list)
+    limited: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots)
 
 
 @dataclass
@@ -103,9 +108,11 @@ class Tiers:
         adapters = [create_adapter(spec) for spec in config.l2_adapters]
         self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name)
         self.l1.on_evict = self._on_l1_evict
+        self.memo = LookupMemo(config.lookup_memo_max_bytes)
         record_key = config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None
         self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
                          config.l2_promote_to_faster_l2, record_key, config.l2_record_auth, index_lookups)
+        self.l2.on_changed = self._on_changed_after_commit
         self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
 
     def _on_l1_evict(self, evicted) -> None:
@@ -113,8 +120,14 @@ class Tiers:
         if self.events is not None:
             self.events.removed([key.name() for key, _ in evicted], "CPU")
 
+    def _on_changed_after_commit(self, key: ChunkKey) -> None:
+        # its bytes are not what was committed: never serve them again (the L2 write was skipped)
+        if self.l1.remove(key) and self.events is not None:
+            self.events.removed([key.name()], "CPU")
+
     def refresh_gauges(self) -> None:
         self.metrics.set("kvtier_l1_usage_bytes", self.l1.used_bytes)
+        self.metrics.set("kvtier_l1_quarantined_bytes", self.l1.quarantined_bytes)
         self.metrics.set("kvtier_l1_chunks", self.l1.num_chunks)
 
     def clear(self, medium: str | None = None, *, wait: bool = True) -> None:
@@ -173,9 +186,7 @@ class KVCache:
         self.tiers = tiers or Tiers(config, publish_events=publish_events)
         self.l1, self.l2, self.metrics = self.tiers.l1, self.tiers.l2, self.tiers.metrics
         self._key_layout_id = chunk_layout_id(layout.layout_id, config.chunk_size)
-        self._memo: OrderedDict = OrderedDict()  # (namespace, prompt digest, extra keys) -> chunk refs; lookup,
-        # retrieve and store share them
-        self._memo_lock = threading.Lock()
+        self._memo = self.tiers.memo  # (model, layout, namespace, prompt digest, extra keys) -> chunk refs
 
     # ---- keys --------------------------------------------------------------------------
     def chunk_refs(self, tokens, namespace: str | None = None, *,
@@ -188,12 +199,10 @@ class KVCache:
         cfg = self.config
         bs, c = cfg.effective_block_size, cfg.chunk_size
         extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), bs))
-        memo_key = (ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()), extra)
-        with self._memo_lock:
-            refs = self._memo.get(memo_key)
-            if refs is not None:
-                self._memo.move_to_end(memo_key)
-                return arr, refs
+        memo_key = (self.model, self._key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()), extra)
+        refs = self._memo.get(memo_key)
+        if refs is not None:
+            return arr, refs
         end = len(arr) if cfg.save_unfull_chunk else len(arr) // c * c  # tokens that belong to a chunk
         digests = prefix_hashes(arr[:end], bs, cfg.hash_algorithm, cfg.hash_seed, extra, include_partial=True)
         blocks = PromptBlocks(bs, digests, None if extra is None else extra[:len(digests)])
@@ -202,10 +211,7 @@ class KVCache:
             stop = min(start + c, end)
             key = ChunkKey(self.model, self._key_layout_id, ns, digests[num_blocks_of(stop, bs) - 1])
             refs.append(ChunkRef(i, key, start, stop, blocks))
-        with self._memo_lock:
-            self._memo[memo_key] = refs
-            if len(self._memo) > 256:
-                self._memo.popitem(last=False)
+        self._memo.put(memo_key, refs, len(digests), extra is not None)
         return arr, refs
 
     @property
@@ -236,15 +242,22 @@ class KVCache:
         return TierHits(total, l1_tokens)
 
     # ---- store -------------------------------------------------------------------------
-    def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None) -> StoreTicket:
+    def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None,
+                    max_bytes: int | None = None) -> StoreTicket:
         """Reserve L1 slots for the chunks of ``tokens`` not yet stored (stops at the first chunk that
-        cannot get space). The slots are invisible until ``commit_store``."""
+        cannot get space, or that would take the reserved bytes past ``max_bytes``: then ``ticket.limited``).
+        The slots are invisible until ``commit_store``."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         ticket = StoreTicket(arr, refs)
+        reserved = 0
         for ref in refs:
             if self.l1.contains(ref.key):
                 continue
             nbytes = self.layout.chunk_bytes(ref.end - ref.start)
+            if max_bytes is not None and reserved + nbytes > max_bytes:
+                ticket.limited = True
+                break
+            reserved += nbytes
             view = self.l1.reserve(ref.key, nbytes, ref.end - ref.start)
             if view is None:
                 if self.l1.contains(ref.key):  # stored meanwhile by another writer
@@ -259,6 +272,10 @@ class KVCache:
             for slot in ticket.slots:
                 self.l1.abort(slot.ref.key)
             return 0
+        # the L2 record's checksum is taken from the bytes as committed: if they change later, the L2 writer
+        # sees it (and skips the write), and a record written from changed bytes fails verification on read
+        checksums = {slot.ref.index: xxhash.xxh3_64_intdigest(slot.view) for slot in ticket.slots} \
+            if self.l2.adapters else {}
         for slot in reversed(ticket.slots):  # tail inserted first: the policy evicts tails before heads
             self.l1.commit(slot.ref.key)
         self.metrics.inc("kvtier_store_chunks_total", len(ticket.slots))
@@ -271,11 +288,24 @@ class KVCache:
                 if pinned is None:
                     break
                 items.append(WriteItem(slot.ref.key, self.layout,
-                                       ticket.tokens[slot.ref.start:slot.ref.end].tolist(), pinned[0]))
+                                       ticket.tokens[slot.ref.start:slot.ref.end].tolist(), pinned[0],
+                                       checksums.get(slot.ref.index)))
                 refs.append(slot.ref)
             self.l2.write_async(ticket.tokens, items, self.l1.release, refs)
         self.tiers.refresh_gauges()
         return len(ticket.slots)
+
+    def quarantine_store(self, ticket: StoreTicket) -> list[tuple[int, int]]:
+        """Drop the ticket's reservations (nothing becomes visible) but keep their slots out of use: a writer
+        that may still be copying into them (a stalled client past its lease) cannot touch anyone's chunk.
+        Returns ``(token, nbytes)`` per slot, for ``L1Store.free_quarantined`` once the writer is gone."""
+        out = []
+        for slot in ticket.slots:
+            token = self.l1.quarantine(slot.ref.key)
+            if token is not None:
+                out.append((token, slot.nbytes))
+        ticket.slots.clear()
+        return out
 
     def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None) -> int:
         """``KVBackend.store_chunks`` in process: ``dst`` is the reserved L1 slot itself (``begin_store``), so

@@ -113,6 +113,7 @@ class KVEventsConfig(_Section):
     hash_format: Literal["int", "bytes"] = "int"
     hwm: int = Field(100_000, ge=0)
     buffer_steps: int = Field(10_000, gt=0)  # replay ring size, in batches
+    buffer_max_bytes: int = Field(64 << 20, gt=0)  # replay ring size, in encoded bytes (the oldest batches go first)
     max_queue_size: int = Field(100_000, gt=0)  # events queued before the publisher thread; overflow is dropped and counted
     batch_max_events: int = Field(1_000, gt=0)
     batch_max_delay_ms: float = Field(10.0, ge=0)
@@ -139,6 +140,14 @@ class ServerConfig(_Section):
     promote_timeout_seconds: float = Field(5.0, gt=0)  # a promotion not done by then is answered from L1 alone
     promote_threads: int = Field(4, ge=1, le=256)  # worker threads of the promotion pool
     max_promotions: int = Field(64, ge=1)  # promotions queued or running; more are answered from L1 alone
+    # per-client bounds (server/limits.py); client_limits false turns them off (one trusted engine)
+    client_limits: Bool = True
+    max_prompt_tokens: int = Field(1 << 20, gt=0)  # tokens in one Lookup / StoreBegin / RetrieveBegin
+    max_reserved_fraction_per_client: float = Field(0.25, gt=0, le=1)  # of L1: open reservations + quarantined slots
+    max_leases_per_client: int = Field(64, gt=0)  # open store and retrieve leases
+    max_inflight_requests_per_client: int = Field(64, gt=0)  # requests accepted and not yet answered
+    max_unread_replies_per_client: int = Field(1000, gt=0)  # replies queued for a client that does not read
+    max_unread_reply_bytes_per_client: int = Field(16 << 20, gt=0)  # KV frames queued for a client that does not read
 
 
 class ConnectorConfig(_Section):
@@ -177,6 +186,7 @@ class KVTierConfig(_Section):
     l2_promote_to_faster_l2: Bool = False  # also copy hits into L2 adapters ahead of the one that had it
     l2_record_key: pydantic.SecretStr | None = None  # key authenticating L2 records (KVTIER_L2_RECORD_KEY)
     l2_record_auth: Literal["blake3", "hmac-sha256"] = "blake3"  # the MAC new records are signed with
+    lookup_memo_max_bytes: int = Field(64 << 20, ge=0)  # chunk refs of recent prompts kept to skip re-hashing
     enable_kv_events: Bool = False
     kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)

@@ -62,7 +62,17 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_connector_bad_requests_total", "counter", "Requests whose kv_transfer_params the engine "
                "connector refused (logged; served without kvtier)."),
     MetricSpec("kvtier_lease_expired_total", "counter", "Server leases that expired before the client confirmed: "
-               "store reservations aborted, retrieve pins released.", ("kind",)),
+               "store reservations aborted (their slots quarantined), retrieve pins released.", ("kind",)),
+    MetricSpec("kvtier_l1_quarantined_bytes", "gauge", "L1 bytes in slots of expired store leases whose client may "
+               "still write into them (never reused until it is done or gone).", unit="By"),
+    MetricSpec("kvtier_quarantine_released_total", "counter", "Quarantined L1 slots freed, by why: late_commit "
+               "(the client finished its copy), bye, process_gone.", ("reason",)),
+    MetricSpec("kvtier_changed_after_commit_total", "counter", "Chunks whose bytes changed after they were "
+               "committed (seen when writing them to L2): not written, dropped from L1."),
+    MetricSpec("kvtier_client_limit_exceeded_total", "counter", "Requests refused because the client reached a "
+               "per-client bound (server.*_per_client, max_prompt_tokens), by bound.", ("limit",)),
+    MetricSpec("kvtier_replies_dropped_total", "counter", "Replies not queued because the client left or had "
+               "server.max_unread_replies_per_client replies unread.", ("reason",)),
 )}
 
 

@@ -5,7 +5,8 @@ and strips the client identity). ``header`` is one msgpack map tagged by ``"t"``
 ``payload`` frames carry raw KV bytes, one frame per chunk, only when the shared-memory data plane is not
 used. Every request has an ``id`` (int) and gets exactly one reply with the same ``id``: its ``...Reply``
 type, ``Ok``, or ``Error(code, message)``. A header that cannot be decoded at all is answered with
-``Error(id=-1, code="malformed")``.
+``Error(id=-1, code="malformed")``. A request past a per-client bound (``kvtier.server.limits``) is answered
+``Error(code="limit_exceeded")`` (``too_large`` for a prompt over ``server.max_prompt_tokens``).
 
 Transport: ZMTP 3 with the CURVE mechanism (CurveZMQ, RFC 26) unless the server runs with ``--no-auth``:
 the client pins the server's public key and presents a client key derived from its secret file
@@ -247,7 +248,7 @@ class Error(msgspec.Struct, tag="error", tag_field="t", omit_defaults=True):
 
 ERROR_CODES = ("malformed", "bad_request", "version_mismatch", "layout_mismatch", "config_mismatch",
                "no_session", "unknown_ticket", "lease_expired", "too_large", "bad_payload", "internal",
-               "shutting_down", "unauthorized")
+               "shutting_down", "unauthorized", "limit_exceeded")
 
 Reply = (HelloReply | LookupReply | StoreSlots | StoreDone | RetrieveSlots | RetrieveData | PrefetchReply
          | ClearReply | FlushReply | StatsReply | Ok | Error)

@@ -63,15 +63,18 @@ _decoder = msgspec.msgpack.Decoder(RecordHeader)
 
 
 def encode_record(key: ChunkKey, layout: KVLayout, token_ids: list[int], payload, auth_key: bytes | None = None,
-                  auth: str = "blake3") -> list:
+                  auth: str = "blake3", checksum: int | None = None) -> list:
     """Return ``[header_bytes, payload]``, plus the tag of MAC ``auth`` (``AUTH_ALGORITHMS``) with ``auth_key``;
     write the parts, in order, to store the record.
 
-    ``payload`` is any buffer (bytes, memoryview, numpy array); it is not copied.
+    ``payload`` is any buffer (bytes, memoryview, numpy array); it is not copied. ``checksum``: the payload's
+    xxh3-64 as taken earlier (when the chunk was committed), so bytes that changed since fail verification;
+    None: computed here.
     """
     view = memoryview(payload).cast("B")
     header = RecordHeader(key.model, key.layout_id, key.namespace, key.prefix_hash, layout.to_dict(),
-                          list(token_ids), view.nbytes, xxhash.xxh3_64_intdigest(view),
+                          list(token_ids), view.nbytes,
+                          xxhash.xxh3_64_intdigest(view) if checksum is None else checksum,
                           auth=auth if auth_key else "none")
     body = _encoder.encode(header)
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body

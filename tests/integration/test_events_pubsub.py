@@ -305,3 +305,15 @@ def test_malformed_endpoints_are_clear_errors():
         Subscriber("not-an-endpoint")
     with pytest.raises(KVTierError, match="endpoint's form"):
         EventPublisher(config(endpoint="tcp://127.0.0.1:notaport", replay_endpoint=None))
+
+
+def test_the_replay_buffer_is_bounded_in_bytes():
+    with EventPublisher(config(buffer_max_bytes=2000)) as pub:
+        for i in range(200):
+            pub.publish([BlockStored([i], None, list(range(i, i + 40)), 2, None, "CPU", None)])
+        assert wait_for(lambda: pub.stats()["next_seq"] == 200)
+        stats = pub.stats()
+        assert 0 < stats["buffered_bytes"] <= 2000 and stats["buffered_batches"] < 200
+        with Subscriber(pub.endpoint, pub.replay_endpoint, start_seq=0, on_gap=lambda g: None) as sub:
+            got = [seq for seq, _ in sub.iter(0.5)]
+        assert got and got == list(range(200 - len(got), 200))  # the newest batches, in order

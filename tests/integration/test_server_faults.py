@@ -26,7 +26,7 @@ from kvtier.client import Client
 # A client that stops half-way: it opens a store (and writes half of the first slot into shared
 # memory) or a retrieve (slots pinned), says READY and waits to be killed.
 HALFWAY = r"""
-import json, sys, time, zmq
+import json, os, sys, time, zmq
 from kvtier import protocol as P
 from kvtier.client.dataplane import attach_arena, host_id
 url, mode, layout, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -40,7 +40,7 @@ def ask(msg):
     sock.send(P.encode(msg))
     return P.decode_reply(sock.recv())
 hello = ask(P.Hello(id=1, version=P.PROTOCOL_VERSION, model="m", layout=layout, layout_id=lay.layout_id,
-                    host_id=host_id()))
+                    host_id=host_id(), pid=os.getpid()))
 arena = attach_arena(hello.shm_name, hello.shm_capacity_bytes)
 if mode == "store":
     reply = ask(P.StoreBegin(id=2, tokens=P.pack_tokens(tokens)))

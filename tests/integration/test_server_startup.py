@@ -108,3 +108,37 @@ def test_startup_keeps_a_shared_l1_that_a_live_server_holds(tmp_path):
     finally:
         os.close(holder)
         os.unlink(fake)
+
+
+def _in_small_shm(size: str, *cmd: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a user and mount namespace whose /dev/shm is a fresh tmpfs of ``size``."""
+    script = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"'
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *cmd], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@pytest.fixture
+def small_shm_available():
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs in a user namespace here: {probe.stderr.decode().strip()}")
+
+
+def test_the_arena_reserves_its_pages_so_a_full_dev_shm_is_a_startup_error_not_sigbus(small_shm_available):
+    import json
+    import sys
+
+    from support import small_shm
+
+    # /dev/shm of 1 MiB: a 600 kB arena fits once; a second one, or a 600 kB file written after, does not
+    out = _in_small_shm("1m", sys.executable, small_shm.__file__, "600000", "600000")
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)  # -7 would be SIGBUS
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert "/dev/shm has" in result["second"] and "l1_size_gb" in result["second"]
+    assert result["filler"] == "No space left on device"  # the other writer fails, not the server
+    assert result["arena"] == "written"
+    env_args = ("server", "--port", str(free_port()), "--admin-port", str(free_port()), "--l1-size-gb", "2MB",
+                "--eviction-policy", "LRU")
+    server = _in_small_shm("1m", *kvtier_cmd(*env_args))
+    assert server.returncode == 2 and "/dev/shm has" in server.stderr and "Traceback" not in server.stderr

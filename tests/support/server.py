@@ -46,6 +46,9 @@ class ServerProc:
         args = ["server", "--port", str(self.port), "--admin-port", str(self.admin_port), "--l1-size-gb", l1,
                 "--eviction-policy", "LRU", "--chunk-size", str(CHUNK), "--lease-seconds", str(lease_seconds),
                 *(["--no-shared-memory"] if not shared_memory else []), *extra]
+        # test L1s hold a few chunks: let one client reserve all of it unless the test sets the share
+        config = dict(config or {})
+        config["server"] = {"max_reserved_fraction_per_client": 1.0, **config.get("server", {})}
         if config:
             path = tmp_path / f"config-{self.port}.yaml"
             path.write_text(yaml.safe_dump(config))

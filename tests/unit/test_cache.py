@@ -232,3 +232,19 @@ def test_unwritable_l2_path(tmp_path):
                         "l2_adapters": [{"type": "local_disk", "path": str(blocker / "sub")}]})
     with pytest.raises(ConfigError, match=str(blocker)):
         KVCache(cfg, "m", LAYOUT)
+
+
+def test_the_lookup_memo_is_bounded_in_bytes(tmp_path):
+    cache = make_cache(tmp_path, disk=False, lookup_memo_max_bytes=200_000)
+    for i in range(50):  # distinct prompts of 64 chunks each
+        cache.lookup(list(range(i * 10_000, i * 10_000 + 64 * CHUNK)))
+    memo = cache.tiers.memo
+    assert 0 < memo.nbytes <= 200_000 and len(memo) < 50
+    cache.lookup(list(range(10**6, 10**6 + 4096 * CHUNK)))  # one prompt costing more than the whole budget
+    assert memo.nbytes <= 200_000
+    tokens = list(range(49 * 10_000, 49 * 10_000 + 64 * CHUNK))
+    kv = kv_for(tokens)
+    assert cache.store(tokens, kv) == 64 and cache.lookup(tokens) == 64 * CHUNK
+    out, n = cache.retrieve(tokens)
+    assert n == 64 * CHUNK and torch.equal(out, kv)
+    cache.close()

@@ -294,3 +294,21 @@ def test_shared_memory_store_is_readable_and_writable_from_another_process():
     finally:
         store.close()
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_a_quarantined_slot_leaves_the_key_space_but_is_never_reused_until_freed():
+    store = L1Store(2 * KB)
+    view = store.reserve(key(1), KB)
+    token = store.quarantine(key(1))
+    assert token is not None and store.quarantined_bytes == KB
+    assert not store.contains(key(1)) and store.offset(key(1)) is None
+    assert put(store, key(1), b"a" * KB)  # the same key, stored again: in the other slot
+    view[:] = b"z" * KB  # a late writer changes only its quarantined slot
+    got, _ = store.acquire(key(1))
+    assert bytes(got) == b"a" * KB
+    assert store.reserve(key(2), KB) is None  # the quarantined slot is not handed out, even under pressure
+    store.release(key(1))
+    assert store.free_quarantined(token) and not store.free_quarantined(token)
+    assert store.quarantined_bytes == 0
+    assert put(store, key(2), b"b" * KB)
+    assert store.quarantine(key(2)) is None  # committed: nothing to quarantine

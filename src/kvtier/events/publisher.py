@@ -68,7 +68,7 @@ class EventPublisher:
 
     Args:
         kv_events_config: ``KVEventsConfig`` (``endpoint``, ``replay_endpoint``, ``topic``, ``encoding``, ``hwm``,
-            ``buffer_steps``, ``max_queue_size``, ``batch_max_events``, ``batch_max_delay_ms``,
+            ``buffer_steps``, ``buffer_max_bytes``, ``max_queue_size``, ``batch_max_events``, ``batch_max_delay_ms``,
             ``data_parallel_rank``).
         metrics: optional ``kvtier.metrics.Metrics`` for ``kvtier_events_dropped_total`` and
             ``kvtier_events_published_total``.
@@ -103,7 +103,10 @@ class EventPublisher:
         self._dropped_unreported = 0
         self._published_events = 0
         self._next_seq = 0
-        self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=cfg.buffer_steps)
+        # replay ring: at most buffer_steps batches and buffer_max_bytes of payload, the oldest go first
+        self._ring: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._ring_bytes = 0
+        self.buffer_max_bytes = getattr(cfg, "buffer_max_bytes", 64 << 20)
         self._stop = False
 
         self._ctx = zmq.Context()
@@ -150,11 +153,12 @@ class EventPublisher:
         return len(take)
 
     def stats(self) -> dict:
-        """``next_seq``, ``queued_events``, ``published_events``, ``dropped_events``, ``buffered_batches``."""
+        """``next_seq``, ``queued_events``, ``published_events``, ``dropped_events``, ``buffered_batches``,
+        ``buffered_bytes`` (payload bytes in the replay ring)."""
         with self._lock:
             return {"next_seq": self._next_seq, "queued_events": len(self._queue),
                     "published_events": self._published_events, "dropped_events": self._dropped_total,
-                    "buffered_batches": len(self._ring)}
+                    "buffered_batches": len(self._ring), "buffered_bytes": self._ring_bytes}
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Publish what is queued, stop the thread, close the sockets. Idempotent."""
@@ -206,7 +210,11 @@ class EventPublisher:
             self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), copy=False)
         except zmq.ZMQError as exc:  # the seq is used: a consumer sees a gap and can replay it
             log.error("KV events: sending batch seq %d failed: %s", seq, exc)
-        self._ring.append((seq, payload))
+        with self._lock:
+            self._ring.append((seq, payload))
+            self._ring_bytes += len(payload)
+            while len(self._ring) > self.buffer_steps or self._ring_bytes > self.buffer_max_bytes:
+                self._ring_bytes -= len(self._ring.popleft()[1])
         if self.metrics is not None:
             self.metrics.inc("kvtier_events_published_total", len(events))
 
@@ -221,9 +229,13 @@ class EventPublisher:
                             "expected [b'', start_seq (8 bytes)] from a DEALER", len(frames))
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
-            for seq, payload in list(self._ring):
+            with self._lock:
+                ring = list(self._ring)
+            # zero-copy: every requester's queue references the ring's payloads instead of holding copies; past
+            # the socket's high-water mark (2 x buffer_steps messages) a requester that never reads gets nothing
+            for seq, payload in ring:
                 if seq >= start:
-                    self._router.send_multipart((ident, b"", self.topic, seq.to_bytes(8, "big"), payload))
+                    self._router.send_multipart((ident, b"", self.topic, seq.to_bytes(8, "big"), payload), copy=False)
             self._router.send_multipart((ident, b"", b"", END_SEQ, b""))
 
     def _run(self) -> None:

@@ -2,8 +2,11 @@
 
 The region is an anonymous private ``mmap`` in-process, or a file under ``/dev/shm`` when a
 ``shm_name`` is given, so other processes (engine clients of the server) can map the same bytes
-(``kvtier.client.dataplane.SharedMapping``). Either way the kernel backs pages only when they are
-first written, so an 8 GB arena costs no RSS until it is used.
+(``kvtier.client.dataplane.SharedMapping``). An anonymous arena is backed only when its pages are first
+written. A ``/dev/shm`` arena has every page reserved at startup (``posix_fallocate``): tmpfs allocates
+file pages lazily, and a page that cannot be allocated later (``/dev/shm`` filled by someone else meanwhile)
+kills the writer, server or client, with SIGBUS; reserved up front, a full ``/dev/shm`` is a clear error at
+startup instead. The reservation is tmpfs memory (shown as Shmem), not the server's RSS until pages are touched.
 
 Allocator: free blocks are kept as a sorted list of offsets plus a dict offset -> size.
 ``alloc`` is first fit, a scan over the free blocks in address order (O(f), f = number of free
@@ -21,6 +24,7 @@ We map ``/dev/shm`` files with ``os.open`` + ``mmap`` rather than
 from __future__ import annotations
 
 import bisect
+import errno
 import mmap
 import os
 import weakref
@@ -45,6 +49,11 @@ def _unlink_if_creator(path: str, creator_pid: int, inode: int) -> None:
         pass
 
 
+def _no_room(free_bytes: int, capacity_bytes: int) -> str:
+    return (f"{SHM_DIR} has {free_bytes} bytes free but the L1 arena needs {capacity_bytes}: lower l1_size_gb "
+            f"or enlarge {SHM_DIR} (e.g. docker --shm-size, or stop what fills it)")
+
+
 def _check_capacity(capacity_bytes: int) -> int:
     if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < ALIGN_BYTES:
         raise ConfigError(f"arena capacity_bytes must be an int >= {ALIGN_BYTES}, got {capacity_bytes!r}")
@@ -64,7 +73,7 @@ class Arena:
 
     Raises:
         ConfigError: bad capacity or name; the shm file exists (and ``replace`` is False); not
-            enough free space in ``/dev/shm`` (writing past it would kill the process with SIGBUS).
+            enough free space in ``/dev/shm`` to reserve every page (``posix_fallocate``).
     """
 
     def __init__(self, capacity_bytes: int, shm_name: str | None = None, *, replace: bool = False):
@@ -97,10 +106,7 @@ class Arena:
         stat = os.statvfs(SHM_DIR)
         free_bytes = stat.f_bavail * stat.f_frsize
         if capacity_bytes > free_bytes:
-            raise ConfigError(
-                f"{SHM_DIR} has {free_bytes} bytes free but the L1 arena needs {capacity_bytes}: "
-                f"lower l1_size_gb or enlarge {SHM_DIR} (e.g. docker --shm-size)"
-            )
+            raise ConfigError(_no_room(free_bytes, capacity_bytes))
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -109,7 +115,14 @@ class Arena:
                 f"pick another shm_name, or remove the file if it is stale"
             ) from None
         try:
-            os.ftruncate(fd, capacity_bytes)  # sparse: tmpfs allocates pages on first write
+            try:  # every page now, so no write into the arena can ever hit a full tmpfs (SIGBUS)
+                os.posix_fallocate(fd, 0, capacity_bytes)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EFBIG):
+                    raise ConfigError(f"cannot reserve {capacity_bytes} bytes for the L1 arena in {path}: "
+                                      f"{exc.strerror}") from None
+                stat = os.statvfs(SHM_DIR)
+                raise ConfigError(_no_room(stat.f_bavail * stat.f_frsize, capacity_bytes)) from None
             return mmap.mmap(fd, capacity_bytes, flags=mmap.MAP_SHARED), os.fstat(fd).st_ino
         except BaseException:
             os.unlink(path)

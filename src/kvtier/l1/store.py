@@ -12,6 +12,11 @@ until a contiguous slot fits (fragmentation can need more than the byte count), 
 and not yet released) are never evicted. ``remove`` of a pinned entry hides it at once and frees its
 slot at the last ``release``; until then its key cannot be reserved again.
 
+Quarantine: ``quarantine(key)`` takes a reservation out of the key space without freeing its slot (the
+server does this when a store lease expires while its client may still be writing into the slot through
+shared memory); the key can be reserved again at once, elsewhere, and the slot is freed only by
+``free_quarantined`` once the writer is known to be done or gone. A quarantined slot is never handed out.
+
 Thread-safe: one lock around every method. ``on_evict`` runs after the lock is released, so it
 may call back into the store. The bytes of a slot are read and written outside the lock; the pin
 is what keeps them in place.
@@ -74,6 +79,9 @@ class L1Store:
         self._lock = threading.Lock()
         self._entries: dict[Hashable, _Entry] = {}
         self._num_chunks = 0  # committed and not removed
+        self._quarantined: dict[int, int] = {}  # token -> arena offset of a quarantined slot
+        self._quarantined_bytes = 0
+        self._next_token = 1
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -146,6 +154,40 @@ class L1Store:
             del self._entries[key]
             self.arena.free(entry.offset)
             return True
+
+    def quarantine(self, key: Hashable) -> int | None:
+        """Take the reservation of ``key`` out of the key space but keep its slot allocated; returns a token
+        for ``free_quarantined``, or None when ``key`` is not reserved (then nothing changes).
+
+        The slot is never reused until ``free_quarantined(token)``: a late writer still holding its offset can
+        only change bytes nobody reads. ``key`` can be reserved again at once (in another slot).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.committed:
+                return None
+            del self._entries[key]
+            token = self._next_token
+            self._next_token += 1
+            self._quarantined[token] = entry.offset
+            self._quarantined_bytes += self.arena.block_size(entry.offset)
+            return token
+
+    def free_quarantined(self, token: int) -> bool:
+        """Free the slot of a ``quarantine`` token; False when the token is unknown (already freed)."""
+        with self._lock:
+            offset = self._quarantined.pop(token, None)
+            if offset is None:
+                return False
+            self._quarantined_bytes -= self.arena.block_size(offset)
+            self.arena.free(offset)
+            return True
+
+    @property
+    def quarantined_bytes(self) -> int:
+        """Bytes (64-aligned) in quarantined slots: allocated, unreadable, waiting for their writer to be gone."""
+        with self._lock:
+            return self._quarantined_bytes
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -259,7 +301,7 @@ class L1Store:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes allocated in the arena (committed, reserved and removed-but-pinned; 64-aligned)."""
+        """Bytes allocated in the arena (committed, reserved, quarantined and removed-but-pinned; 64-aligned)."""
         with self._lock:
             return self.arena.used_bytes
 
@@ -278,6 +320,8 @@ class L1Store:
         """Unmap the arena and, when this store created a ``/dev/shm`` file, unlink it."""
         with self._lock:
             self._entries.clear()
+            self._quarantined.clear()
+            self._quarantined_bytes = 0
             self._num_chunks = 0
             self.arena.close()
             self.arena.unlink()

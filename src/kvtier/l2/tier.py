@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import xxhash
+
 from kvtier.errors import ConfigError, CorruptRecordError, RecordAuthError
 from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
@@ -44,6 +46,7 @@ class WriteItem:
     layout: KVLayout
     token_ids: list[int]
     payload: memoryview
+    checksum: int | None = None  # xxh3-64 of the payload when it was committed; None: take it when writing
 
 
 @dataclass(slots=True)
@@ -95,6 +98,7 @@ class L2Tier:
                 raise ConfigError("l2_record_auth 'blake3' needs the blake3 package (pip install blake3); "
                                   "or set l2_record_auth: hmac-sha256") from None
         self._hasher: ThreadPoolExecutor | None = None
+        self.on_changed: Callable[[ChunkKey], None] | None = None  # a chunk's bytes changed after commit
         self._queue: deque[_WriteBatch | _Clear] = deque()
         self._clearing = 0  # clears queued or running: lookups answer 0 meanwhile
         self.index = L2Index(self.adapters, metrics, self._per_name)
@@ -241,8 +245,10 @@ class L2Tier:
         """Groups of (name, record parts) in item order. With a record key the tags are computed by helper
         threads (the MACs release the GIL) and each group is what is ready, so signing overlaps writing."""
         def encode(item: WriteItem):
+            if item.checksum is not None and xxhash.xxh3_64_intdigest(item.payload) != item.checksum:
+                return item.key.name(), None  # changed since it was committed: never written
             return item.key.name(), encode_record(item.key, item.layout, item.token_ids, item.payload, self.record_key,
-                                                  self.record_auth)
+                                                  self.record_auth, checksum=item.checksum)
 
         if self.record_key is None or len(items) < 2:
             yield [encode(item) for item in items]
@@ -261,9 +267,10 @@ class L2Tier:
 
     def _write_batch(self, batch: _WriteBatch) -> None:
         stored: list[bool] = []
-        for records in self._encoded(batch.items):
+        for group in self._encoded(batch.items):
+            records = [rec for rec in group if rec[1] is not None]
             done = [False] * len(records)
-            for adapter in self.adapters:
+            for adapter in self.adapters if records else ():
                 flags = self._call(adapter, "put", adapter.put, records, default=None)
                 if flags is None:
                     continue
@@ -271,7 +278,11 @@ class L2Tier:
                 for i, ok in enumerate(flags):
                     done[i] = done[i] or bool(ok)
                 self.metrics.inc("kvtier_l2_writes_total", sum(1 for f in flags if f), adapter=adapter.label)
-            stored += done
+            flags_in_order = iter(done)
+            for name, parts in group:
+                if parts is None:
+                    self._changed(batch, name)
+                stored.append(False if parts is None else next(flags_in_order))
         failed = stored.count(False)
         if failed:
             self.metrics.inc("kvtier_l2_write_dropped_total", failed)
@@ -292,6 +303,16 @@ class L2Tier:
                     return False
                 self._cond.wait(left)
         return True
+
+    def _changed(self, batch: _WriteBatch, name: str) -> None:
+        self.metrics.inc("kvtier_changed_after_commit_total")
+        log.error("chunk %s changed after it was committed (a client wrote into its slot late): not written "
+                  "to L2 and dropped from L1", name)
+        callback = self.on_changed
+        if callback is not None:
+            for item in batch.items:
+                if item.key.name() == name:
+                    callback(item.key)
 
     # ---- removal and status ------------------------------------------------------------
     def _on_adapter_evict(self, adapter: L2Adapter, names: list[str]) -> None:

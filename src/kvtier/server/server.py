@@ -10,8 +10,9 @@ when the L2 write queue drains; ``Clear`` clears L1 at once and queues the L2 cl
 L2 writes, probes and clears run on ``L2Tier``'s own daemon threads. Caches are made per
 (model, KV layout, namespace) on ``Hello`` and share the tiers. Store and retrieve hand out L1 slots;
 each reservation or pin is a *lease* that expires after ``server.lease_seconds``: an expired store is
-aborted (its half-written chunk never becomes visible) and an expired retrieve is unpinned (the
-client's late ``RetrieveEnd`` gets ``lease_expired`` and discards what it copied).
+aborted (its half-written chunk never becomes visible; its slots are quarantined while the client may still
+write into them, ``server/limits.py``) and an expired retrieve is unpinned (the client's late ``RetrieveEnd``
+gets ``lease_expired`` and discards what it copied). Per-client bounds: ``server/limits.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
 from kvtier.server.auth import pick_port, server_keyring, tenant_of
 from kvtier.server.promote import Job, Promoter
+from kvtier.server.limits import ClientLimits, ExpiryLog, Quarantine, pid_start_time
 from kvtier.server.session import (
     HandshakeRefused,
     Lease,
@@ -86,6 +88,9 @@ class KVTierServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         # a frame larger than this drops the sender's connection before it is buffered
         self.sock.setsockopt(zmq.MAXMSGSIZE, srv.max_message_bytes + P.MAX_HEADER_BYTES)
+        # replies queue per client up to this many; past it (a client that never reads) they are dropped
+        self.sock.setsockopt(zmq.SNDHWM, srv.max_unread_replies_per_client)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # so a full queue is an error we count, not silence
         try:
             self.sock.bind(f"tcp://{srv.host}:{self.port}")
         except zmq.ZMQError as exc:
@@ -121,6 +126,9 @@ class KVTierServer:
         self._flushes: list[tuple[bytes, int, float]] = []  # deferred Flush replies: (identity, id, deadline)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
+        self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
+        self.quarantine = Quarantine(self.tiers.l1, self.metrics)
+        self._expiry_log = ExpiryLog()
         self.metrics.set("kvtier_connected_clients", 0)
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -148,7 +156,7 @@ class KVTierServer:
             self._expire()
         with self.lock:
             for ticket in list(self.leases):
-                self._end_lease(self.leases.pop(ticket), ok=False)
+                self._end_lease(self._pop_lease(ticket), ok=False)
 
     def stop(self) -> None:
         """Ask the loop to stop (safe from a signal handler or another thread)."""
@@ -164,10 +172,20 @@ class KVTierServer:
             self._send(identity, reply, out)
 
     def _send(self, identity: bytes, reply, out=()) -> None:
+        if out:  # libzmq releases a message's frames in order: the last one's tracker says all were sent
+            out = [*out[:-1], zmq.Frame(out[-1], copy=False, track=True)]
         try:
-            self.sock.send_multipart([identity, P.encode(reply), *out], copy=False)
+            self.sock.send_multipart([identity, P.encode(reply), *out], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # max_unread_replies_per_client replies already wait for this client
+            self.metrics.inc("kvtier_replies_dropped_total", reason="unread")
+            return
         except zmq.ZMQError as exc:  # the client went away: nothing to do
+            self.metrics.inc("kvtier_replies_dropped_total", reason="gone")
             log.debug("reply to a departed client dropped: %s", exc)
+            return
+        session = self.sessions.get(identity) if out else None
+        if session is not None:  # KV frames: held by libzmq until the client reads them
+            session.usage.unread.append((out[-1].tracker, sum(len(f) for f in out)))
 
     def _handle(self, identity: bytes, header, payload: list) -> tuple[msgspec.Struct, list]:
         buf = header.buffer
@@ -188,6 +206,13 @@ class KVTierServer:
             if session is None:
                 return self._err(msg, "no_session", "no session for this connection: send Hello first"), []
             session.last_seen = time.monotonic()
+            refusal = self.limits.check_inflight(session.usage)
+            if refusal:
+                return self._limited(msg, "inflight_requests", refusal), []
+            tokens = getattr(msg, "tokens", None)
+            if tokens is not None and (refusal := self.limits.check_prompt(tokens)):
+                self.metrics.inc("kvtier_client_limit_exceeded_total", limit="prompt_tokens")
+                return self._err(msg, "too_large", refusal), []
             handler = getattr(self, "_on_" + type(msg).__name__)
             return handler(identity, session, msg, payload)
         except KVTierError as exc:
@@ -199,6 +224,10 @@ class KVTierServer:
     @staticmethod
     def _err(msg, code: str, message: str) -> P.Error:
         return P.Error(id=msg.id, code=code, message=message)
+
+    def _limited(self, msg, limit: str, message: str) -> P.Error:
+        self.metrics.inc("kvtier_client_limit_exceeded_total", limit=limit)
+        return P.Error(id=msg.id, code="limit_exceeded", message=message)
 
     # ---- handshake -----------------------------------------------------------------------------
     def _hello(self, identity: bytes, msg: P.Hello, auth: tuple[bool, str | None]):
@@ -219,8 +248,12 @@ class KVTierServer:
             self.caches[cache_key] = cache
         # one mapping of the arena reaches every slot, so a tenant's bytes travel as frames
         shm = bool(self.shm_name) and msg.want_shm and msg.host_id == self.host_id and tenant is None
-        self.sessions[identity] = Session(msg.model, namespace, layout.layout_id, cache, shm, msg.pid,
-                                          time.monotonic(), tenant)
+        session = Session(msg.model, namespace, layout.layout_id, cache, shm, msg.pid, time.monotonic(), tenant,
+                          pid_start_time(msg.pid) if shm else None)
+        old = self.sessions.get(identity)
+        if old is not None:  # a second Hello on one connection: what it holds stays counted
+            session.usage = old.usage
+        self.sessions[identity] = session
         self.metrics.set("kvtier_connected_clients", len(self.sessions))
         srv = self.config.server
         return P.HelloReply(id=msg.id, version=P.PROTOCOL_VERSION, server_id=self.server_id,
@@ -235,6 +268,8 @@ class KVTierServer:
 
     def _on_Bye(self, identity, session, msg, payload):
         self.sessions.pop(identity, None)
+        self.quarantine.release_client(identity)  # a client says Bye between calls, never inside a copy
+        self._drop_idle_caches()
         self.metrics.set("kvtier_connected_clients", len(self.sessions))
         return P.Ok(id=msg.id), []
 
@@ -253,6 +288,7 @@ class KVTierServer:
             return P.FlushReply(id=msg.id, done=True), []
         # answered later by _expire, so a slow L2 never blocks the request loop
         self._flushes.append((identity, msg.id, time.monotonic() + msg.timeout_seconds))
+        session.usage.inflight += 1
         return None, []
 
     def _on_Lookup(self, identity, session, msg, payload):
@@ -263,9 +299,18 @@ class KVTierServer:
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
         tid = self._next_ticket
         self._next_ticket += 1
+        nbytes = ticket.nbytes if kind == "store" else 0
         self.leases[tid] = Lease(kind, identity, session.cache, ticket, shm, started,
-                                 started + self.config.server.lease_seconds, slots)
+                                 started + self.config.server.lease_seconds, slots, session.usage, nbytes)
+        session.usage.leases += 1
+        session.usage.reserved_bytes += nbytes
         return tid
+
+    def _pop_lease(self, tid: int) -> Lease:
+        lease = self.leases.pop(tid)
+        lease.usage.leases -= 1
+        lease.usage.reserved_bytes -= lease.nbytes
+        return lease
 
     def _frame_budget(self, slots) -> int:
         """How many leading slots fit in one message of ``max_message_bytes``."""
@@ -279,8 +324,15 @@ class KVTierServer:
     def _on_StoreBegin(self, identity, session, msg, payload):
         started = time.monotonic()
         shm = msg.shm and session.shm
+        refusal = self.limits.check_leases(session.usage)
+        if refusal:
+            return self._limited(msg, "leases", refusal), []
+        quarantined = self.quarantine.bytes_of(identity)
         ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                           extra_keys=msg.extra_keys)
+                                           extra_keys=msg.extra_keys,
+                                           max_bytes=self.limits.reserve_budget(session.usage, quarantined))
+        if ticket.limited and not ticket.slots:
+            return self._limited(msg, "reserved_bytes", self.limits.reserved_refusal(session.usage, quarantined)), []
         if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store
             keep = self._frame_budget(ticket.slots)
             for slot in ticket.slots[keep:]:
@@ -297,11 +349,13 @@ class KVTierServer:
     def _take_lease(self, msg, kind: str, identity: bytes):
         lease = self.leases.get(msg.ticket)
         if lease is None or lease.kind != kind or lease.identity != identity:
+            if kind == "store":  # the late commit of an expired store: the client's copy is over
+                self.quarantine.release_ticket(identity, msg.ticket)
             if msg.ticket in self._expired:
                 return None, self._err(msg, "lease_expired", f"ticket {msg.ticket} expired after "
                                        f"{self.config.server.lease_seconds} s; its slots were released")
             return None, self._err(msg, "unknown_ticket", f"no {kind} ticket {msg.ticket} for this client")
-        return self.leases.pop(msg.ticket), None
+        return self._pop_lease(msg.ticket), None
 
     def _on_StoreCommit(self, identity, session, msg, payload):
         lease, error = self._take_lease(msg, "store", identity)
@@ -385,11 +439,18 @@ class KVTierServer:
     def _retrieve_reply(self, identity, session, msg, started):
         """Pin what L1 holds of the prompt (no L2 access) and answer ``RetrieveBegin``."""
         cache = session.cache
+        refusal = self.limits.check_leases(session.usage)
+        if refusal and msg.shm and session.shm:
+            return self._limited(msg, "leases", refusal), []
         ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                       extra_keys=msg.extra_keys, promote=False)
         shm = msg.shm and session.shm
         if not shm:
             keep = self._frame_budget(ticket.slots)
+            refusal = self.limits.check_unread(session.usage, sum(s.nbytes for s in ticket.slots[:keep]))
+            if refusal:
+                cache.end_retrieve(ticket)
+                return self._limited(msg, "unread_reply_bytes", refusal), []
             try:
                 slots = [P.Slot(s.ref.index, -1, s.nbytes) for s in ticket.slots[:keep]]
                 frames = [bytes(s.view) for s in ticket.slots[:keep]]  # copied before the pins go
@@ -414,8 +475,13 @@ class KVTierServer:
         return P.Ok(id=msg.id), []
 
     # ---- leases and sessions -------------------------------------------------------------------
-    def _end_lease(self, lease: Lease, ok: bool) -> int:
+    def _end_lease(self, lease: Lease, ok: bool, tid: int = 0) -> int:
         if lease.kind == "store":
+            if not ok and lease.shm and tid:  # expired: the client may still be writing into these slots
+                session = self.sessions.get(lease.identity)
+                pid, start = (session.pid, session.pid_start) if session is not None else (0, None)
+                self.quarantine.add(lease.identity, tid, pid, start, lease.cache.quarantine_store(lease.ticket))
+                return 0
             return lease.cache.commit_store(lease.ticket, ok=ok)
         lease.cache.end_retrieve(lease.ticket)
         return 0
@@ -424,23 +490,33 @@ class KVTierServer:
         now = time.monotonic()
         with self.lock:
             for tid in [t for t, lease in self.leases.items() if lease.deadline <= now]:
-                lease = self.leases.pop(tid)
-                log.warning("%s lease %d expired after %.1f s: %s", lease.kind, tid,
-                            self.config.server.lease_seconds,
-                            "reservation aborted" if lease.kind == "store" else "pins released")
-                self._end_lease(lease, ok=False)
+                lease = self._pop_lease(tid)
+                self._expiry_log.expired(lease.kind, tid, self.config.server.lease_seconds,
+                                         "reservation aborted" if lease.kind == "store" else "pins released")
+                self._end_lease(lease, ok=False, tid=tid)
                 self._expired.append(tid)
                 self.metrics.inc("kvtier_lease_expired_total", kind=lease.kind)
+            self.quarantine.sweep(now)
             if self._flushes:
                 done = self.tiers.l2.flush(0)
                 for entry in [f for f in self._flushes if done or f[2] <= now]:
                     self._flushes.remove(entry)
+                    session = self.sessions.get(entry[0])
+                    if session is not None:
+                        session.usage.inflight -= 1
                     self._send(entry[0], P.FlushReply(id=entry[1], done=done))
             idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.session_idle_seconds]
             for identity in idle:
                 del self.sessions[identity]
             if idle:
+                self._drop_idle_caches()
                 self.metrics.set("kvtier_connected_clients", len(self.sessions))
+
+    def _drop_idle_caches(self) -> None:
+        """Forget caches no session or lease uses (their chunks stay in L1 and L2 under their keys)."""
+        used = {id(s.cache) for s in self.sessions.values()} | {id(x.cache) for x in self.leases.values()}
+        for key in [k for k, c in self.caches.items() if id(c) not in used]:
+            del self.caches[key]
 
     # ---- admin ---------------------------------------------------------------------------------
     def clear(self, medium: str | None = None, *, wait: bool = False) -> int:
@@ -471,12 +547,14 @@ class KVTierServer:
             now = time.monotonic()
             # namespaces are digests (keys.namespace_of): they show no cache_salt
             clients = [{"model": s.model, "namespace": s.namespace, "tenant": s.tenant, "layout_id": s.layout_id,
-                        "pid": s.pid, "shared_memory": s.shm, "idle_seconds": round(now - s.last_seen, 3)}
+                        "pid": s.pid, "shared_memory": s.shm, "idle_seconds": round(now - s.last_seen, 3),
+                        "reserved_bytes": s.usage.reserved_bytes, "leases": s.usage.leases}
                        for s in self.sessions.values()]
             leases = {"store": sum(1 for x in self.leases.values() if x.kind == "store"),
                       "retrieve": sum(1 for x in self.leases.values() if x.kind == "retrieve")}
             return {"clients": clients, "leases": leases, "caches": len(self.caches),
-                    "promotions": {"waiting": len(self.promoter.waiting), "in_flight": self.promoter.in_flight}}
+                    "promotions": {"waiting": len(self.promoter.waiting), "in_flight": self.promoter.in_flight},
+                    "quarantine": {"slots": self.quarantine.num_slots, "bytes": self.tiers.l1.quarantined_bytes}}
 
     def close(self) -> bool:
         """Finish queued L2 writes (bounded by ``server.shutdown_timeout_seconds``), close the socket,

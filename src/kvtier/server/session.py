@@ -12,6 +12,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
 from kvtier.keys import tenant_namespace
 from kvtier.layout import KVLayout
+from kvtier.server.limits import ClientUsage
 
 
 @dataclass(slots=True)
@@ -24,6 +25,8 @@ class Session:
     pid: int
     last_seen: float
     tenant: str | None = None  # None: full access (the server's own secret, or auth off)
+    pid_start: int | None = None  # start time of process ``pid`` here (limits.pid_start_time); None: not visible
+    usage: ClientUsage = field(default_factory=ClientUsage)  # what it holds, against server/limits.py bounds
 
     def namespace_for(self, namespace: str | None) -> str | None:
         """A request's namespace as the server keys it (None: the session's default)."""
@@ -45,6 +48,8 @@ class Lease:
     started: float
     deadline: float
     slots: list = field(default_factory=list)
+    usage: ClientUsage | None = None  # the owner's, released with the lease
+    nbytes: int = 0  # reserved bytes (store)
 
 
 class HandshakeRefused(KVTierError):
