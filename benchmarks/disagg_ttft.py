@@ -19,11 +19,11 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
+sys.path.insert(0, str(HERE.parent))  # the repository root: harness/
 sys.path.insert(0, str(HERE))
 
 from reuse_ttft import prompts_from  # noqa: E402 (after the sys.path lines above)
-from test_vllm_support import KVTierServer, document_tokens, model_dir, run_vllm  # noqa: E402
+from harness.vllm import KVTierServer, document_tokens, model_dir, run_vllm  # noqa: E402
 
 
 def main() -> None:

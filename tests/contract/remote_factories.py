@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ holds services.py
-import services  # noqa: E402
+from harness import services
 
 from kvtier.l2.base import L2Adapter, create_adapter  # noqa: E402
 

@@ -3,16 +3,13 @@ with the right key and token ids, is a miss, deleted and counted, on a real loca
 
 from __future__ import annotations
 
-import sys
 from contextlib import closing
-from pathlib import Path
 
 import pytest
 import torch
 from support.server import CHUNK, LAYOUT
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import services  # noqa: E402
+from harness import services
 
 from kvtier.cache import KVCache  # noqa: E402
 from kvtier.config import build_config  # noqa: E402

@@ -4,15 +4,12 @@ out-of-band deletes, block uploads, and two servers sharing one container."""
 from __future__ import annotations
 
 import logging
-import sys
 from contextlib import closing
-from pathlib import Path
 
 import pytest
 from azure.storage.blob import BlobServiceClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import services  # noqa: E402
+from harness import services
 import test_l2_remote_s3 as common  # noqa: E402 - the record helpers and checks all remote adapters share
 from test_l2_remote_s3 import payload_of, record  # noqa: E402
 

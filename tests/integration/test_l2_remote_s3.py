@@ -4,15 +4,12 @@ credential errors, out-of-band deletes, multipart uploads, and two servers shari
 from __future__ import annotations
 
 import logging
-import sys
 from contextlib import closing
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import services  # noqa: E402
+from harness import services
 
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.hashing import prefix_hashes  # noqa: E402

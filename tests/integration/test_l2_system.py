@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -23,8 +22,7 @@ import pytest
 import torch
 from support.server import CHUNK, LAYOUT, ServerProc, metric_value
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import services
+from harness import services
 
 from kvtier.cache import KVCache
 from kvtier.config import KVTierConfig

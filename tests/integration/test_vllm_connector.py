@@ -12,15 +12,8 @@ import re
 import threading
 
 import pytest
-from test_vllm_support import (
-    KVTierServer,
-    assert_same_output,
-    by_prompt,
-    document_tokens,
-    free_port,
-    model_dir,
-    run_vllm,
-)
+from harness.vllm import KVTierServer, document_tokens, free_port, model_dir, run_vllm
+from test_vllm_support import assert_same_output, by_prompt
 
 from kvtier.events.subscriber import Subscriber
 

@@ -20,15 +20,8 @@ import time
 
 import pytest
 from support.server import wait_for
-from test_vllm_support import (
-    KVTierServer,
-    OpenAIServer,
-    assert_same_reply,
-    cached_tokens,
-    document_tokens,
-    metric_sum,
-    model_dir,
-)
+from harness.vllm import KVTierServer, OpenAIServer, document_tokens, model_dir
+from test_vllm_support import assert_same_reply, cached_tokens, metric_sum
 
 pytestmark = pytest.mark.model
 LOAD_TIMEOUT = 2.0  # kvtier.load_timeout_seconds

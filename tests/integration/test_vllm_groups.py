@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_vllm_support import require_vllm
+from harness.vllm import require_vllm
 
 from kvtier.layout import KVLayout
 

@@ -14,7 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from test_vllm_support import model_dir, require_vllm
+from harness.vllm import model_dir, require_vllm
 
 ORACLE = Path(__file__).with_name("vllm_identity_oracle.py")
 

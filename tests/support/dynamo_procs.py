@@ -16,8 +16,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ holds services.py
-import services  # noqa: E402
+from harness import services
 
 REPO = Path(__file__).resolve().parents[2]
 DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"

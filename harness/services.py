@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # service_proc.py sits next to this file
-from service_proc import (  # noqa: F401 - re-exported: tests and benchmarks use services.<name>
+from harness.service_proc import (  # noqa: F401 - tests and benchmarks use services.<name>
     REPO,
     SERVICES_DIR,
     START_TIMEOUT_S,
