@@ -32,7 +32,7 @@ def bars(data: dict, title: str, xlabel: str, path: Path, line: float | None = N
     plt.close(fig)
 
 
-SYSTEM_COLORS = {"vllm": "#bbbbbb", "lmcache": "#ee7733", "kvtier": "#4477aa"}
+SYSTEM_COLORS = {"vllm": "#bbbbbb", "lmcache": "#ee7733", "kvtier": "#4477aa", "kvtier_lazy": "#66ccee"}
 SHARE_COLORS = {"share_vllm_cache": "#228833", "share_offload": "#4477aa", "share_recomputed": "#cc3311"}
 
 

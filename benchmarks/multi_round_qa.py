@@ -5,35 +5,28 @@ everybody, then that user's own context (real text nobody else has: benchmarks/c
 and package documentation Debian ships, no paragraph twice), then every earlier question and answer. Requests are
 streamed (``ignore_eos``, greedy); TTFT is the time to the first streamed token.
 
-The working set is the KV of every user's last prompt plus its answer (the shared system prompt once). It is
-measured with the SmolLM2 tokenizer, and vLLM's KV cache is sized from it in two regimes, run in turn:
-
-  fits      vLLM's KV capacity is working set / --fits-ratio (default 0.5): everything fits in vLLM's own cache,
-            so an offload tier can only add cost
-  overflow  vLLM's KV capacity is working set / --overflow-ratio (default 3, allowed 2-4): vLLM's prefix cache
-            evicts a user's context before the user's next round, the case an offload tier exists for
-
-vLLM's KV budget is set with ``--kv-cache-memory-bytes`` (``VLLM_CPU_KVCACHE_SPACE`` counts whole GiB, and its
-minimum, 1 GiB, already holds 23,296 fp32 SmolLM2 tokens); the capacity reported is the one vLLM logs
-("CPU KV cache size: N tokens"). In each regime the same prompts go, in the same order, to:
-
+The working set (every user's last prompt plus answer, the system prompt once; SmolLM2 tokenizer) sizes vLLM's KV
+cache (``--kv-cache-memory-bytes``; the capacity reported is the one vLLM logs) in two regimes, run in turn:
+  fits      capacity = working set / --fits-ratio (default 0.5): all fits in vLLM's cache, an offload tier only costs
+  overflow  capacity = working set / --overflow-ratio (default 3, allowed 2-4): vLLM evicts a user's context before
+            the user's next round, the case an offload tier exists for
+In each regime the same prompts go, in the same order, to:
   vllm      vLLM alone, prefix caching on
   lmcache   vLLM (prefix caching on) + LMCache MP server, engine_driven with its shared-memory pool (its best CPU
             mode, shared reference engines-and-services.md §6), run from LMCache's own .venv-lmc
             (scripts/setup-lmcache.sh); without it the row is absent and the script says so
   kvtier    vLLM (prefix caching on) + kvtier server + KVTierConnector
+  kvtier_lazy  the same with ``kvtier.store_after_seen`` 2 (a chunk is stored at its second sighting); not run
+            unless asked for in --systems
 
-kvtier and LMCache get the same chunk size and the same L1 size; every vLLM the same VLLM_CPU_NUM_OF_RESERVED_CPU.
-Where the prompt tokens came from is vLLM's own count, ``vllm:prompt_tokens_by_source_total`` over the load:
-source=local_cache_hit (vLLM's prefix cache), external_kv_transfer (loaded through the KV connector: kvtier or
-LMCache) and local_compute (recomputed); the CSV's ``counters_agree`` says whether the per-request
-usage.prompt_tokens_details.cached_tokens summed to the first two. The cache servers' own counters are reported
-next to it: kvtier ``kvtier_lookup_hit_tokens_total`` / ``kvtier_lookup_tokens_total``, LMCache
-``lmcache_mp_lookup_hit_tokens_total`` / ``lmcache_mp_lookup_requested_tokens_total``; they count what the
-connector asked, which can be more than once per request and more than was loaded.
+kvtier and LMCache get the same chunk size and L1 size; every vLLM the same VLLM_CPU_NUM_OF_RESERVED_CPU. Where
+prompt tokens came from is vLLM's ``vllm:prompt_tokens_by_source_total`` (local_cache_hit, external_kv_transfer,
+local_compute; ``counters_agree``: the per-request cached_tokens summed to the first two); next to it the cache
+servers' lookup counters (kvtier ``kvtier_lookup_[hit_]tokens_total``, LMCache ``lmcache_mp_lookup_*_tokens_total``),
+which count what the connector asked.
 
     .venv/bin/python benchmarks/multi_round_qa.py [--quick] [--repeat N] [--regimes fits,overflow]
-        [--systems vllm,lmcache,kvtier] [--users 8 --rounds 3 --context-tokens 2048 --max-tokens 32] [--plan]
+        [--systems vllm,lmcache,kvtier[,kvtier_lazy]] [--users 8 --rounds 3 --context-tokens 2048 --max-tokens 32] [--plan]
 
 Writes benchmarks/multi_round_qa.csv (one row per regime and system) and docs/img/multi_round_qa.png (--quick:
 files under /tmp) and prints kvtier / vLLM alone and kvtier / LMCache per regime. Exit status: 0, 1 when a system
@@ -70,7 +63,9 @@ from harness.vllm import REPO, KVTierServer, LMCacheServer, lmcache_missing, mod
 from vllm_procs import (  # noqa: E402
     VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters, total)
 
-SYSTEMS = ("vllm", "lmcache", "kvtier")
+SYSTEMS = ("vllm", "lmcache", "kvtier", "kvtier_lazy")
+DEFAULT_SYSTEMS = "vllm,lmcache,kvtier"
+KVTIER_EXTRA = {"kvtier": {}, "kvtier_lazy": {"kvtier.store_after_seen": 2}}
 REGIMES = ("fits", "overflow")
 OVERFLOW_RANGE = (2.0, 4.0)
 QUESTIONS = ["What is this text about? Answer in one sentence.", "Which names, programs or versions does it mention?",
@@ -160,14 +155,15 @@ def run_system(system: str, regime: str, kv_blocks: int, args, wl: Workload, wor
                tag: str) -> dict:
     """Start the cache server (if any) and vLLM, run the load, stop both. Returns one measurement (see ``summarise``)."""
     cache = None
-    if system == "kvtier":
+    if system in KVTIER_EXTRA:
         cache = KVTierServer(work, chunk_size=args.chunk_size, l1=f"{args.l1_size_gb}GB")
     elif system == "lmcache":
         cache = LMCacheServer(work, chunk_size=args.chunk_size, mode="engine_driven", shm=True, l1_gb=args.l1_size_gb)
     try:
         load_1m = os.getloadavg()[0]
         srv = VLLMServer(work, tag, kv_cache_bytes=kv_blocks * VLLM_BLOCK_TOKENS * bytes_per_token,
-                         max_model_len=args.max_model_len, reserved_cpu=args.reserved_cpu, cache=cache)
+                         max_model_len=args.max_model_len, reserved_cpu=args.reserved_cpu, cache=cache,
+                         kvtier_extra=KVTIER_EXTRA.get(system))
         try:
             records, wall, before, cache_before = asyncio.run(run_load(srv, cache, wl))
             after = srv.settled_metrics(total(before, "vllm:request_success_total") + len(records))
@@ -259,10 +255,10 @@ def print_ratios(rows: list[dict]) -> None:
         if by:
             same = len({r["prompts_sha"] for r in by.values()}) == 1
             print(f"{regime}: the same prompts went to every system: {'yes' if same else 'NO (answers differed)'}")
-        for base in ("vllm", "lmcache"):
-            k, b = by.get("kvtier"), by.get(base)
+        for kv, base in ((kv, base) for kv in KVTIER_EXTRA for base in ("vllm", "lmcache")):
+            k, b = by.get(kv), by.get(base)
             if k and b:
-                print(f"{regime}: kvtier / {base}: mean TTFT {k['mean_ttft_seconds'] / b['mean_ttft_seconds']:.3f} "
+                print(f"{regime}: {kv} / {base}: mean TTFT {k['mean_ttft_seconds'] / b['mean_ttft_seconds']:.3f} "
                       f"(issue 12 target {targets.get((regime, base), 'none')}), p90 TTFT "
                       f"{k['p90_ttft_seconds'] / b['p90_ttft_seconds']:.3f}, output tokens/s "
                       f"{k['output_tokens_per_second'] / b['output_tokens_per_second']:.3f}")
@@ -286,7 +282,7 @@ def parse_args() -> argparse.Namespace:
         ap.add_argument("--" + key.replace("_", "-"), type=positive, default=None,
                         help=f"default {value} ({QUICK[key]} with --quick)")
     ap.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated, of {','.join(REGIMES)}")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, of {','.join(SYSTEMS)}")
     ap.add_argument("--fits-ratio", type=float, default=0.5, help="working set / vLLM KV capacity in regime fits")
     ap.add_argument("--overflow-ratio", type=float, default=3.0, help="working set / vLLM KV capacity in regime overflow (2-4)")
     ap.add_argument("--chunk-size", type=positive, default=256, help="tokens per chunk, kvtier and LMCache alike")

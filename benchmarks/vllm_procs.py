@@ -96,13 +96,15 @@ class VLLMServer:
 
     ``kv_cache_bytes`` is vLLM's KV cache budget (``--kv-cache-memory-bytes``; ``VLLM_CPU_KVCACHE_SPACE`` is
     removed from the environment because it would override it in whole GiB). ``cache`` is None (vLLM alone), a
-    ``KVTierServer`` or an ``LMCacheServer``. ``kv_capacity_tokens`` is what vLLM logged for its KV cache,
-    ``core_ids`` the cores it bound its compute threads to (as logged, e.g. ``[0, 1]``; ``?`` when not logged).
+    ``KVTierServer`` (``kvtier_extra``: more ``kv_connector_extra_config`` keys) or an ``LMCacheServer``.
+    ``kv_capacity_tokens`` is what vLLM logged for its KV cache, ``core_ids`` the cores it bound its compute
+    threads to (as logged, e.g. ``[0, 1]``; ``?`` when not logged).
     Raises RuntimeError with the log's tail when vLLM exits or is not ready within ``timeout_s``.
     """
 
     def __init__(self, work: Path, name: str, *, kv_cache_bytes: int, max_model_len: int, reserved_cpu: str,
-                 cache: KVTierServer | LMCacheServer | None = None, timeout_s: float = 600):
+                 cache: KVTierServer | LMCacheServer | None = None, kvtier_extra: dict | None = None,
+                 timeout_s: float = 600):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         lmcache = isinstance(cache, LMCacheServer)
@@ -115,7 +117,7 @@ class VLLMServer:
             argv += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"kvtier.server_url": cache.url}})]
+                "kv_connector_extra_config": {"kvtier.server_url": cache.url, **(kvtier_extra or {})}})]
         if lmcache:
             argv += ["--disable-hybrid-kv-cache-manager", "--kv-transfer-config", json.dumps({
                 "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",

@@ -168,6 +168,7 @@ class ConnectorConfig(_Section):
     server_events: str | None = None  # server only: the server's KV event PUB address; what it holds is announced in
     # this engine's KV event stream (CPU / STORAGE blocks; connectors/server_feed.py)
     server_events_replay: str | None = None  # server only: the server's replay address (catch up at start)
+    store_after_seen: int = Field(1, ge=1)  # store a chunk once this many prompts held it (1: at first sight)
 
 
 class KVTierConfig(_Section):

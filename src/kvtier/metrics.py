@@ -61,6 +61,14 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                "could not load (reported to the engine, which recomputes them), by reason.", ("reason",)),
     MetricSpec("kvtier_connector_bad_requests_total", "counter", "Requests whose kv_transfer_params the engine "
                "connector refused (logged; served without kvtier)."),
+    MetricSpec("kvtier_connector_lookups_total", "counter", "Engine connector lookups; reused=\"true\": answered "
+               "from the request's first lookup (the engine asked again while the request waited).", ("reused",)),
+    MetricSpec("kvtier_connector_lookup_seconds_total", "counter", "Time the engine connector spent in lookups.",
+               unit="s"),
+    MetricSpec("kvtier_connector_store_calls_total", "counter", "Store calls the engine connector made."),
+    MetricSpec("kvtier_connector_stored_chunks_total", "counter", "Chunks the engine connector's stores added."),
+    MetricSpec("kvtier_connector_store_seconds_total", "counter", "Time the engine connector spent storing "
+               "(copying from the engine's blocks included).", unit="s"),
     MetricSpec("kvtier_lease_expired_total", "counter", "Server leases that expired before the client confirmed: "
                "store reservations aborted (their slots quarantined), retrieve pins released.", ("kind",)),
     MetricSpec("kvtier_l1_quarantined_bytes", "gauge", "L1 bytes in slots of expired store leases whose client may "

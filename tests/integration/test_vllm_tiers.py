@@ -109,3 +109,21 @@ def test_reset_prefix_cache_keeps_kvtier_data(vllm, ids):
     again = vllm.complete(prompt)
     assert cached_tokens(again) == 512
     assert_same_reply(again, first, "after reset_prefix_cache")
+
+
+def store_counts(kvtier) -> tuple[int, int]:
+    """(store requests the server answered, chunks it stored) from its /metrics."""
+    text = kvtier.metrics_text()
+    return int(metric_sum(text, "kvtier_store_seconds_count")), int(metric_sum(text, "kvtier_store_chunks_total"))
+
+
+def test_identical_request_stores_nothing_new(vllm, kvtier, ids):
+    prompt = ids[350:1050]  # starts mid-way into prompt 0: chunks no other test stored
+    before = store_counts(kvtier)
+    first = vllm.complete(prompt)
+    after_first = store_counts(kvtier)
+    assert after_first[1] - before[1] == 2, "the first request stores its two whole chunks"
+    again = vllm.complete(prompt)
+    assert cached_tokens(again) == 512
+    assert store_counts(kvtier) == after_first, "the chunks the lookup found are never offered for saving"
+    assert_same_reply(again, first, "identical request")

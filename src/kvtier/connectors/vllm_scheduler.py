@@ -6,11 +6,20 @@ block before the final prompt token (vLLM must compute at least one token) and a
 ``max_load_tokens``. ``get_external_cache_hit_sources`` splits the offered tokens into host (kvtier's L1)
 and disk (kvtier's L2), exactly as the lookup counted them in ``kvtier_lookup_hit_tokens_total``.
 ``build_connector_meta`` turns the plan into ``LoadOp`` / ``SaveOp`` for the worker (``vllm_worker``).
+
+The save plan costs as little as the scheduler can make it (issue 12): vLLM asks ``get_num_new_matched_tokens``
+again at every scheduling attempt of a request that waits for KV blocks, so the first lookup of a request is kept
+and reused until the request is scheduled (``kvtier_connector_lookups_total{reused="true"}``); chunks the lookup
+found in kvtier are never offered for saving (the worker copies only what lies past them); and with
+``connector.store_after_seen`` N > 1 a chunk is stored only once N prompts have contained it (counted by vLLM's
+own block hashes), so a prefix seen once costs no copy at all.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -20,6 +29,8 @@ from kvtier.connectors.vllm_config import NO_TRANSFER, RequestControls, request_
 from kvtier.errors import ConfigError
 
 logger = logging.getLogger("vllm.kvtier_connector")
+
+SEEN_CAPACITY = 1 << 18  # chunk keys counted for store_after_seen (about 40 MB at most); the oldest are forgotten
 
 
 @dataclass
@@ -60,6 +71,8 @@ class _Lookup:
     namespace: str
     extra_keys: list | None
     controls: RequestControls
+    num_prompt: int = 0  # prompt tokens the lookup was made for (a changed prompt is looked up again)
+    seen_upto: int | None = None  # store_after_seen > 1: leading tokens of chunks seen often enough to store
 
 
 @dataclass
@@ -79,6 +92,8 @@ class SchedulerSide:
         self._lookups: dict[str, _Lookup] = {}
         self._loads: dict[str, tuple[int, int, int]] = {}  # req_id -> (start, end, l1 hit)
         self._tracks: dict[str, _Track] = {}
+        self._store_after_seen = self.config.connector.store_after_seen
+        self._seen: OrderedDict = OrderedDict()  # chunk key -> prompts that held it (LRU, SEEN_CAPACITY keys)
 
     def _controls(self, request) -> RequestControls:
         try:
@@ -89,15 +104,28 @@ class SchedulerSide:
             return NO_TRANSFER
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        tokens = request.prompt_token_ids or []
+        look = self._lookups.get(request.request_id)
+        if look is not None and look.num_prompt == len(tokens):
+            # a retry while the request waits for blocks: kvtier was asked moments ago, and a chunk evicted
+            # since is a failed load that vLLM recomputes (kv_load_failure_policy "recompute")
+            look.num_computed = num_computed_tokens
+            self.metrics.inc("kvtier_connector_lookups_total", reused="true")
+            return max(0, look.end - num_computed_tokens), False
         ns, extra = self.identity.request_keys(request)
         controls = self._controls(request)
-        look = _Lookup(num_computed_tokens, 0, 0, 0, ns, extra, controls)
+        look = _Lookup(num_computed_tokens, 0, 0, 0, ns, extra, controls, len(tokens))
         self._lookups[request.request_id] = look
+        if self._store_after_seen > 1:
+            look.seen_upto = self._count_sighting(request, ns, len(tokens))
         if not self.can_load or self.backend is None or controls.max_load_tokens == 0:
             return 0, False
-        tokens = list(request.prompt_token_ids or [])
+        tokens = list(tokens)
+        started = time.perf_counter()
         hits = self._call("lookup", self.backend.lookup_tiers, tokens, default=(0, 0),
                           **self._ns_kw(ns, extra, len(tokens)))
+        self.metrics.inc("kvtier_connector_lookup_seconds_total", time.perf_counter() - started)
+        self.metrics.inc("kvtier_connector_lookups_total", reused="false")
         look.hit, look.l1_hit = hits[0] // self.chunk_size * self.chunk_size, min(hits[1], hits[0])
         limit = (len(tokens) - 1) if controls.max_load_tokens is None else min(len(tokens) - 1, controls.max_load_tokens)
         look.end = min(look.hit, limit // self.block_size * self.block_size)
@@ -106,6 +134,25 @@ class SchedulerSide:
                         request.request_id, len(tokens), num_computed_tokens, look.hit, look.l1_hit,
                         max(0, look.end - num_computed_tokens))
         return max(0, look.end - num_computed_tokens), False
+
+    def _count_sighting(self, request, namespace: str, num_tokens: int) -> int:
+        """Count one more prompt holding each whole chunk of ``request``; returns the leading tokens whose
+        chunks have now been seen ``store_after_seen`` times (only those may be stored). A chunk's key is vLLM's
+        hash of its last block (chained over the whole prefix, with LoRA and salt) or, without vLLM's hashes
+        (prefix caching off), Python's hash of the prefix's tokens (a collision only stores a chunk early)."""
+        c, bs = self.chunk_size, self.block_size
+        hashes = getattr(request, "block_hashes", None) or []
+        tokens = request.prompt_token_ids or []
+        upto = 0
+        for end in range(c, num_tokens // c * c + 1, c):
+            key = (namespace, hashes[end // bs - 1]) if len(hashes) >= end // bs else (namespace, hash(tuple(tokens[:end])))
+            n = self._seen.pop(key, 0) + 1
+            self._seen[key] = n
+            if n >= self._store_after_seen and upto == end - c:
+                upto = end
+        while len(self._seen) > SEEN_CAPACITY:
+            self._seen.popitem(last=False)
+        return upto
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         look = self._lookups.get(request.request_id)
@@ -128,6 +175,8 @@ class SchedulerSide:
             tokens = list(new.prompt_token_ids or [])
             look = self._lookups.pop(new.req_id, None) or _Lookup(0, 0, 0, 0, "", None, RequestControls())
             limit = len(tokens) if look.controls.max_store_tokens is None else look.controls.max_store_tokens
+            if look.seen_upto is not None:
+                limit = min(limit, look.seen_upto)
             track = _Track(tokens, look.namespace, list(new.block_ids[0]), look.hit, limit, look.extra_keys)
             if new.req_id in self._loads:
                 start, end, _ = self._loads.pop(new.req_id)
@@ -148,6 +197,7 @@ class SchedulerSide:
             self._plan_save(meta, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         for req_id in scheduler_output.finished_req_ids:
             self._tracks.pop(req_id, None)
+        self._report_costs()
         return meta
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, computed_end: int) -> None:

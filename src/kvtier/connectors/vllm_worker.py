@@ -140,10 +140,16 @@ class WorkerSide:
             return
         started = time.perf_counter()
         sources = staged if self.layerwise else [(None, op) for op in meta.saves]
+        stored = 0
         for buf, op in sources:
-            self._call("store", self.backend.store_chunks, op.token_ids, self._filler(op, buf), default=0,
-                       **self._op_kw(op))
-        logger.debug("kvtier: stored new chunks of %d requests in %.4f s", len(sources), time.perf_counter() - started)
+            stored += self._call("store", self.backend.store_chunks, op.token_ids, self._filler(op, buf), default=0,
+                                 **self._op_kw(op))
+        took = time.perf_counter() - started
+        self.metrics.inc("kvtier_connector_store_calls_total", len(sources))
+        self.metrics.inc("kvtier_connector_stored_chunks_total", stored)
+        self.metrics.inc("kvtier_connector_store_seconds_total", took)
+        logger.debug("kvtier: stored %d new chunks of %d requests in %.4f s", stored, len(sources), took)
+        self._report_costs()
         self._worker_events.extend(to_vllm_events(self._call("take_events", self.backend.take_events, default=[])))
 
     def _filler(self, op: SaveOp, staged: torch.Tensor | None):
