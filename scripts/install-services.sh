@@ -63,9 +63,9 @@ fi
 # 4. Report where each binary is (harness/services.py resolves them the same way).
 "$PY" - <<PYEOF
 import os, sys
-sys.path.insert(0, os.path.join("$REPO", "tests"))
+sys.path.insert(0, "$REPO")
 os.environ.setdefault("KVTIER_SERVICES_DIR", "$SERVICES_DIR")
-import services
+from harness import services
 for name, path in services.binaries().items():
     print(f"[install-services] {name:14s} {path}")
 PYEOF
