@@ -22,6 +22,11 @@ both cores compute, as in §6's primary table): vLLM CPU otherwise reserves one 
 set, and the comparison is wrong.
 
     .venv/bin/python benchmarks/reuse_ttft.py [--systems apc_on,kvtier_128,...] [--reserved-cpu 0] [--merge]
+    .venv/bin/python benchmarks/reuse_ttft.py --model gemma3 --systems apc_off,kvtier_256
+
+``--model gemma3`` runs Gemma-3-270M instead (a hybrid model: sliding-window and full attention, several KV
+cache groups in vLLM; kvtier stores each group's part) and writes benchmarks/reuse_ttft_gemma3.*; its figure is
+kvtier's fresh-process TTFT against vLLM alone cold.
 
 Writes benchmarks/reuse_ttft.csv and benchmarks/reuse_ttft.png and prints the ratios the issue asks for.
 ``--merge`` keeps the rows of systems not run this time from the existing CSV (check their ``reserved_cpu``).
@@ -47,11 +52,15 @@ from harness.vllm import (  # noqa: E402 (after the sys.path line above)
     KVTierServer,
     LMCacheServer,
     document_tokens,
+    gemma3_dir,
     lmcache_missing,
     model_dir,
     run_vllm,
     run_vllm_lmcache,
 )
+
+MODELS = {"smollm2": ("SmolLM2-135M", model_dir), "gemma3": ("Gemma-3-270M", gemma3_dir)}
+MODEL = {"name": "smollm2"}  # set by --model
 
 PROMPT_TOKENS = 2000
 CONTROL_TOKENS = 1792
@@ -79,7 +88,8 @@ def prompts_from(ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
 
 def measure(name: str, spec: dict, work: Path, seen, nomatch) -> dict[str, list[dict]]:
     """Per condition, the offline driver's result records of this system's requests."""
-    kw = {"max_tokens": 1, "prefix_caching": spec["prefix_caching"], "warmup": True}
+    kw = {"max_tokens": 1, "prefix_caching": spec["prefix_caching"], "warmup": True,
+          "model": MODELS[MODEL["name"]][1]()}
     if "control" in spec:
         # Same first CONTROL_TOKENS tokens as each seen prompt, then a different tail: vLLM's prefix cache then
         # holds exactly CONTROL_TOKENS tokens of each seen prompt (CONTROL_TOKENS is a multiple of its block size).
@@ -134,7 +144,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(CONDITIONS))], CONDITIONS)
     ax.set_ylabel("TTFT, median of 3 (s)")
     r = rows[0].get("reserved_cpu", "?")
-    ax.set_title(f"vLLM CPU, SmolLM2-135M fp32, {PROMPT_TOKENS}-token prompts, VLLM_CPU_NUM_OF_RESERVED_CPU={r}")
+    ax.set_title(f"vLLM CPU, {MODELS[MODEL['name']][0]} fp32, {PROMPT_TOKENS}-token prompts, VLLM_CPU_NUM_OF_RESERVED_CPU={r}")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncols=min(len(systems), 4), frameon=False, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -164,6 +174,8 @@ def print_ratios(rows: list[dict]) -> None:
              (apc[0] if apc else "apc_on*", "again"), "<= 1.2")
         show("kvtier nothing to reuse vs vLLM alone (prefix cache off)", (k, "nomatch"), ("apc_off", "nomatch"), "<= 1.03")
         show("kvtier cold (stores) vs vLLM alone cold", (k, "cold"), ("apc_off", "cold"), "info")
+        show("kvtier fresh process vs vLLM alone cold", (k, "fresh"), ("apc_off", "cold"),
+             "<= 0.2 (Gemma-3)" if MODEL["name"] == "gemma3" else "info")
         for s in sorted(lmc):
             show(f"{s} fresh vs kvtier fresh", (s, "fresh"), (k, "fresh"), "info")
 
@@ -172,17 +184,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
     ap.add_argument("--reserved-cpu", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU for every run")
-    ap.add_argument("--out", default=str(HERE / "reuse_ttft"))
+    ap.add_argument("--model", default="smollm2", choices=list(MODELS), help="the model vLLM serves")
+    ap.add_argument("--out", default=None, help="output path without extension (default benchmarks/reuse_ttft, "
+                    "benchmarks/reuse_ttft_gemma3 for gemma3)")
     ap.add_argument("--merge", action="store_true", help="keep rows of systems not run now from the existing CSV")
     ap.add_argument("--work", default=None, help="keep the vLLM and server logs in this folder (default: a temporary one)")
     args = ap.parse_args()
+    MODEL["name"] = args.model
+    if args.out is None:
+        args.out = str(HERE / ("reuse_ttft" if args.model == "smollm2" else f"reuse_ttft_{args.model}"))
     names = args.systems.split(",")
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         ap.error(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpu
     git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    stamp = {"reserved_cpu": args.reserved_cpu, "commit": git("log", "-1", "--format=%h"),
+    stamp = {"model": args.model, "reserved_cpu": args.reserved_cpu, "commit": git("log", "-1", "--format=%h"),
              "src_dirty": bool(git("status", "--porcelain", "--", "src"))}
     print(f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpu}; commit {stamp['commit']}"
           f"{' with uncommitted changes in src/' if stamp['src_dirty'] else ''}; load average {os.getloadavg()}")
@@ -192,7 +209,7 @@ def main() -> int:
         for n in [n for n in names if "lmcache" in SYSTEMS[n]]:
             absent[n] = reason
         print(f"LMCache rows will be ABSENT ({', '.join(absent) or 'none requested'}): {reason}", flush=True)
-    seen, nomatch = prompts_from(document_tokens(model_dir()))
+    seen, nomatch = prompts_from(document_tokens(MODELS[args.model][1]()))
     rows = []
     with tempfile.TemporaryDirectory(prefix="reuse-ttft-") as tmp:
         if args.work:

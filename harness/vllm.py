@@ -41,6 +41,13 @@ def model_dir() -> Path:
     return folder
 
 
+def gemma3_dir() -> Path:
+    """The converted Gemma-3-270M folder (a hybrid model: sliding-window and full attention; kvtier.models)."""
+    from kvtier.models import GEMMA3, converted_model_dir
+
+    return converted_model_dir(GEMMA3)
+
+
 def document_tokens(folder: Path) -> list[int]:
     """Token ids of a real text (the GPL-3 that Debian ships), with the model's own tokenizer."""
     from transformers import AutoTokenizer
@@ -171,16 +178,17 @@ class OpenAIServer:
 def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | None = None, role: str = "kv_both",
              repeat: int = 1, max_tokens: int = 4, prefix_caching: bool = False, expect_fail: bool = False, warmup: bool = False,
              kv_events: str | None = None,
-             timeout_s: float = 900, driver: list[str] | None = None, env_extra: dict | None = None) -> dict:
+             timeout_s: float = 900, driver: list[str] | None = None, env_extra: dict | None = None,
+             model: Path | None = None) -> dict:
     """Run ``examples/vllm/offline.py`` in the vLLM environment. Returns its JSON plus ``log`` (stdout+stderr).
 
     With ``expect_fail`` the run must exit non-zero; the result is then ``{"log": ..., "returncode": ...}``.
     ``driver`` replaces ``[vLLM python, offline.py]`` (see ``run_vllm_lmcache``); ``env_extra`` is added to the
-    environment.
+    environment. ``model``: the model folder (default SmolLM2, ``model_dir()``).
     """
     prompts_path, out_path, log_path = work / f"{name}-prompts.json", work / f"{name}.json", work / f"{name}.log"
     prompts_path.write_text(json.dumps(prompts))
-    argv = (driver or [require_vllm(), str(OFFLINE)]) + ["--model", str(model_dir()), "--prompts", str(prompts_path),
+    argv = (driver or [require_vllm(), str(OFFLINE)]) + ["--model", str(model or model_dir()), "--prompts", str(prompts_path),
             "--out", str(out_path), "--repeat", str(repeat), "--max-tokens", str(max_tokens), "--role", role]
     if kvtier is not None:
         argv += ["--kvtier", json.dumps(kvtier)]

@@ -17,6 +17,11 @@ Words and units:
   * ``namespace``: None means the backend's default namespace (set when it was opened); otherwise the
     namespace of this call (``kvtier.keys.namespace_of``: LoRA name, cache_salt). KV of one namespace is
     never served to another.
+  * ``start`` (a token offset, default 0): the call concerns only the chunks from the one holding token
+    ``start`` on; earlier chunks are still hashed (keys are prefix hashes) but neither looked up, stored nor
+    retrieved. A lookup from there answers the end of the run of held chunks that begins at that chunk (an
+    absolute token count, 0 when that chunk is missing). Used for a sliding-window attention group, which
+    keeps only the tokens of its window (``connectors.vllm_groups``).
 
 New keyword arguments may be added to these methods later (always with a default), so call them with
 ``namespace=...`` and further options by keyword.
@@ -87,18 +92,18 @@ class KVBackend(Protocol):
         """Tokens per chunk (an int > 0; a server client that has not reached its server yet says 0)."""
         ...
 
-    def lookup(self, tokens, namespace: str | None = None) -> int:
+    def lookup(self, tokens, namespace: str | None = None, *, start: int = 0) -> int:
         """Number of leading tokens of ``tokens`` whose KV the cache holds now (whole chunks). Read-only:
         nothing is promoted between tiers. 0 when unavailable. Raises InputError for bad tokens."""
         ...
 
-    def lookup_tiers(self, tokens, namespace: str | None = None) -> TierHits:
+    def lookup_tiers(self, tokens, namespace: str | None = None, *, start: int = 0) -> TierHits:
         """``lookup`` split by tier: ``TierHits(num_tokens, num_l1_tokens)``. Counted in the cache's
         ``kvtier_lookup_hit_tokens_total{medium="CPU"|"STORAGE"}`` exactly as answered. (0, 0) when unavailable.
         Raises InputError for bad tokens."""
         ...
 
-    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None) -> int:
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, start: int = 0) -> int:
         """Store the KV of the chunks of ``tokens`` that the cache lacks, letting ``fill`` write each in place.
 
         ``fill(start, dst)`` is called once per missing chunk, in token order: ``start`` is the chunk's first
@@ -114,7 +119,7 @@ class KVBackend(Protocol):
         ...
 
     def retrieve_chunks(self, tokens, namespace: str | None = None, *,
-                        timeout_seconds: float | None = None) -> AbstractContextManager[Retrieved]:
+                        timeout_seconds: float | None = None, start: int = 0) -> AbstractContextManager[Retrieved]:
         """Zero-copy access to the KV of the leading available tokens of ``tokens``, chunk by chunk.
 
         A context manager yielding a ``Retrieved``; the chunks stay pinned (cannot be evicted) until the

@@ -219,15 +219,23 @@ class KVCache:
         """Tokens per chunk (``config.chunk_size``)."""
         return self.config.chunk_size
 
-    # ---- lookup ------------------------------------------------------------------------
-    def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
-        """Number of leading tokens whose KV is available (L1, then L2). Read-only: nothing is promoted."""
-        return self.lookup_tiers(tokens, namespace, extra_keys=extra_keys).num_tokens
+    def _from(self, refs: list[ChunkRef], start: int) -> list[ChunkRef]:
+        """The refs of the chunks from the one holding token ``start`` on (``KVBackend``'s ``start``)."""
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise InputError(f"start must be an int >= 0 (a token offset), got {start!r}")
+        return refs[start // self.config.chunk_size:] if start else refs
 
-    def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None) -> TierHits:
+    # ---- lookup ------------------------------------------------------------------------
+    def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
+        """Number of leading tokens whose KV is available (L1, then L2). Read-only: nothing is promoted."""
+        return self.lookup_tiers(tokens, namespace, extra_keys=extra_keys, start=start).num_tokens
+
+    def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> TierHits:
         """``lookup`` split by tier (``KVBackend.lookup_tiers``): leading tokens in L1, then in L2 after them.
-        Counts both in ``kvtier_lookup_hit_tokens_total`` by medium (CPU, STORAGE)."""
+        Counts both in ``kvtier_lookup_hit_tokens_total`` by medium (CPU, STORAGE), from ``start``'s chunk on."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+        refs = self._from(refs, start)
+        base = refs[0].start if refs else 0
         n_l1 = 0
         while n_l1 < len(refs) and self.l1.contains(refs[n_l1].key):
             n_l1 += 1
@@ -237,17 +245,18 @@ class KVCache:
         m = self.metrics
         m.inc("kvtier_lookup_requests_total")
         m.inc("kvtier_lookup_tokens_total", len(arr))
-        m.inc("kvtier_lookup_hit_tokens_total", l1_tokens, medium="CPU")
-        m.inc("kvtier_lookup_hit_tokens_total", total - l1_tokens, medium="STORAGE")
+        m.inc("kvtier_lookup_hit_tokens_total", max(0, l1_tokens - base), medium="CPU")
+        m.inc("kvtier_lookup_hit_tokens_total", total - max(l1_tokens, base if total else 0), medium="STORAGE")
         return TierHits(total, l1_tokens)
 
     # ---- store -------------------------------------------------------------------------
     def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None,
-                    max_bytes: int | None = None) -> StoreTicket:
-        """Reserve L1 slots for the chunks of ``tokens`` not yet stored (stops at the first chunk that
-        cannot get space, or that would take the reserved bytes past ``max_bytes``: then ``ticket.limited``).
-        The slots are invisible until ``commit_store``."""
+                    max_bytes: int | None = None, start: int = 0) -> StoreTicket:
+        """Reserve L1 slots for the chunks of ``tokens`` not yet stored, from ``start``'s chunk on (stops at the
+        first chunk that cannot get space, or that would take the reserved bytes past ``max_bytes``: then
+        ``ticket.limited``). The slots are invisible until ``commit_store``."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+        refs = self._from(refs, start)
         ticket = StoreTicket(arr, refs)
         reserved = 0
         for ref in refs:
@@ -307,7 +316,7 @@ class KVCache:
         ticket.slots.clear()
         return out
 
-    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None) -> int:
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
         """``KVBackend.store_chunks`` in process: ``dst`` is the reserved L1 slot itself (``begin_store``), so
         the KV is copied once, by ``fill``. The chunks are published by ``commit_store`` (L2 writes queued,
         events emitted) only after every ``fill`` returned; chunks that got no L1 space are not asked for.
@@ -316,7 +325,7 @@ class KVCache:
         frees the reserved slots (nothing is stored) and is raised.
         """
         started = time.perf_counter()
-        ticket = self.begin_store(tokens, namespace, extra_keys=extra_keys)
+        ticket = self.begin_store(tokens, namespace, extra_keys=extra_keys, start=start)
         dtype = self.layout.numpy_dtype()
         try:
             for slot in ticket.slots:
@@ -353,23 +362,26 @@ class KVCache:
             n += 1
         return n
 
-    def prefetch(self, tokens, namespace: str | None = None, *, extra_keys=None, wait: bool = True) -> int:
+    def prefetch(self, tokens, namespace: str | None = None, *, extra_keys=None, wait: bool = True,
+                 start: int = 0) -> int:
         """``KVBackend.prefetch`` in process: promote the leading L2 hits of ``tokens`` that L1 lacks into L1 (L2
         I/O: this call blocks on the adapters whatever ``wait`` says; the server runs it on its promotion
         pool). Returns the leading tokens L1 holds afterwards.
         A chunk gone from L2 (evicted, deleted) ends the prefix: a miss, never an error. Raises InputError for
-        bad tokens."""
+        bad tokens. ``start``: as for ``KVBackend``, from that token's chunk on."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+        refs = self._from(refs, start)
         n = self.l1_prefix(refs)
         if n < len(refs) and self.l2.adapters:
             n += self._promote(arr, refs, n)
         return refs[n - 1].end if n else 0
 
     def begin_retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None,
-                       promote: bool = True) -> RetrieveTicket:
-        """Pin the leading available chunks in L1, promoting L2 hits into L1 first (unless ``promote`` is
-        False: then only what L1 holds now, with no L2 access)."""
+                       promote: bool = True, start: int = 0) -> RetrieveTicket:
+        """Pin the leading available chunks (from ``start``'s chunk on) in L1, promoting L2 hits into L1 first
+        (unless ``promote`` is False: then only what L1 holds now, with no L2 access)."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+        refs = self._from(refs, start)
         n = self.l1_prefix(refs)
         if promote and n < len(refs) and self.l2.adapters:
             n += self._promote(arr, refs, n)
@@ -419,13 +431,13 @@ class KVCache:
 
     @contextlib.contextmanager
     def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None,
-                        timeout_seconds: float | None = None):
+                        timeout_seconds: float | None = None, start: int = 0):
         """``KVBackend.retrieve_chunks`` in process: the views are the L1 slots themselves, pinned by
         ``begin_retrieve`` (L2 hits promoted into L1 first) and unpinned when the ``with`` block ends. Pins
         never expire here, so ``ok`` is True whenever ``num_tokens`` > 0, unless pinning took longer than
         ``timeout_seconds`` (a slow L2): then the answer is a miss. Raises InputError for bad tokens."""
         started = time.perf_counter()
-        ticket = self.begin_retrieve(tokens, namespace, extra_keys=extra_keys)
+        ticket = self.begin_retrieve(tokens, namespace, extra_keys=extra_keys, start=start)
         if timeout_seconds is not None and time.perf_counter() - started > timeout_seconds:
             self.end_retrieve(ticket)  # too late for the caller's deadline: answer a miss
         got = Retrieved(ticket.num_tokens, ok=ticket.num_tokens > 0)

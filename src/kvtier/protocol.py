@@ -101,6 +101,7 @@ class Lookup(_Msg, tag="lookup"):
     tokens: TokenIds
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
+    start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
 
 
 class StoreBegin(_Msg, tag="store_begin"):
@@ -108,6 +109,7 @@ class StoreBegin(_Msg, tag="store_begin"):
     shm: bool = True
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
+    start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
 
 
 class StoreCommit(_Msg, tag="store_commit"):
@@ -122,6 +124,7 @@ class RetrieveBegin(_Msg, tag="retrieve_begin"):
     shm: bool = True
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
+    start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
 
 
 class RetrieveEnd(_Msg, tag="retrieve_end"):

@@ -42,7 +42,8 @@ def read_all(backend, tokens, **kw) -> tuple[Retrieved, list]:
     with backend.retrieve_chunks(tokens, **kw) as got:
         assert isinstance(got, Retrieved)
         copies = [(start, view.copy(), view.flags.writeable) for start, view in got.chunks]
-        assert got.num_tokens == sum(chunk.shape[2] for _, chunk, _ in copies)
+        first = copies[0][0] if copies else 0  # 0 unless a ``start`` skipped leading chunks
+        assert got.num_tokens == first + sum(chunk.shape[2] for _, chunk, _ in copies)
     assert got.chunks == []  # the views die with the pins
     return got, copies
 
@@ -208,3 +209,37 @@ def test_retrieve_chunks_within_a_timeout(backend):
     backend.store_chunks(tokens, Recorder(kv_of(14, len(tokens))))
     got, copies = read_all(backend, tokens, timeout_seconds=30.0)
     assert got.ok and got.num_tokens == CHUNK and len(copies) == 1
+
+
+def test_start_stores_looks_up_and_retrieves_only_the_chunks_from_there(backend):
+    """A sliding-window group keeps only its window: chunks before ``start`` are hashed, never stored or read."""
+    tokens = prompt(21, 4 * CHUNK)
+    kv = kv_of(21, len(tokens))
+    fill = Recorder(kv)
+    assert backend.store_chunks(tokens, fill, start=2 * CHUNK + 1) == 2
+    assert [c[0] for c in fill.calls] == [2 * CHUNK, 3 * CHUNK]  # start inside chunk 2: from chunk 2 on
+    assert backend.lookup(tokens) == 0  # chunk 0 is not held: a plain lookup finds nothing
+    assert backend.lookup(tokens, start=2 * CHUNK) == 4 * CHUNK  # the end of the run, in absolute tokens
+    assert backend.lookup_tiers(tokens, start=CHUNK) == TierHits(0, 0)  # the run must begin at start's chunk
+    assert backend.lookup(tokens[:3 * CHUNK], start=2 * CHUNK) == 3 * CHUNK
+    got, copies = read_all(backend, tokens, start=2 * CHUNK)
+    assert got.ok and got.num_tokens == 4 * CHUNK and [s for s, _, _ in copies] == [2 * CHUNK, 3 * CHUNK]
+    for s, chunk, _ in copies:
+        np.testing.assert_array_equal(chunk, kv[:, :, s:s + CHUNK])
+    # keys are prefix hashes: the same chunk positions of another prompt are other chunks
+    assert backend.lookup(prompt(22, 4 * CHUNK), start=2 * CHUNK) == 0
+    with pytest.raises(InputError, match="start"):
+        backend.lookup(tokens, start=-1)
+
+
+def test_start_reads_l2_only_chunks_back_into_l1(backend):
+    tokens = prompt(23, 3 * CHUNK)
+    kv = kv_of(23, len(tokens))
+    assert backend.store_chunks(tokens, Recorder(kv), start=CHUNK) == 2
+    assert backend.flush(timeout_seconds=30.0) is True
+    clear_l1(backend)
+    assert backend.lookup_tiers(tokens, start=CHUNK) == TierHits(3 * CHUNK, 0)  # only L2 holds them
+    got, copies = read_all(backend, tokens, start=CHUNK)
+    assert got.ok and got.num_tokens == 3 * CHUNK and [s for s, _, _ in copies] == [CHUNK, 2 * CHUNK]
+    np.testing.assert_array_equal(copies[1][1], kv[:, :, 2 * CHUNK:])
+    assert backend.lookup_tiers(tokens, start=CHUNK) == TierHits(3 * CHUNK, 3 * CHUNK)  # promoted into L1

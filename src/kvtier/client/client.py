@@ -260,17 +260,17 @@ class Client:
             return self.info.chunk_size
         return int(self.expect.get("chunk_size", 0))
 
-    def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
+    def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
         """Number of leading tokens of ``tokens`` whose KV the server holds (0 when it is unavailable).
-        ``extra_keys``: per-block extra keys, as for ``KVCache``."""
-        return self.lookup_tiers(tokens, namespace, extra_keys=extra_keys).num_tokens
+        ``extra_keys``: per-block extra keys, as for ``KVCache``; ``start``: as for ``KVBackend``."""
+        return self.lookup_tiers(tokens, namespace, extra_keys=extra_keys, start=start).num_tokens
 
-    def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None) -> TierHits:
+    def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> TierHits:
         """``lookup`` split by tier (``KVBackend.lookup_tiers``): (0, 0) when the server is unavailable."""
         arr = as_token_array(tokens)
         with self._lock:
             reply, _ = self._call(P.Lookup(id=next(self._ids), tokens=P.pack_tokens(arr), namespace=namespace,
-                                           extra_keys=extra_keys))
+                                           extra_keys=extra_keys, start=_start(start)))
         if not isinstance(reply, P.LookupReply):
             return TierHits(0, 0)
         return TierHits(reply.num_tokens, min(reply.num_l1_tokens, reply.num_tokens))
@@ -314,7 +314,7 @@ class Client:
         self.layout.validate_kv(kv, len(arr))
         return self.store_chunks(arr, copy_from(as_numpy(kv)), namespace, extra_keys=extra_keys)
 
-    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None) -> int:
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
         """``KVBackend.store_chunks`` over the server: ``dst`` is the server's L1 slot itself with shared
         memory (no intermediate copy), otherwise a buffer sent as a frame.
 
@@ -326,7 +326,7 @@ class Client:
         with self._lock:
             shm = self._arena is not None
             reply, _ = self._call(P.StoreBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
-                                               namespace=namespace, extra_keys=extra_keys))
+                                               namespace=namespace, extra_keys=extra_keys, start=_start(start)))
             if not isinstance(reply, P.StoreSlots) or not reply.slots:
                 return 0
             got_at = time.monotonic()
@@ -373,7 +373,7 @@ class Client:
 
     @contextlib.contextmanager
     def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None,
-                        timeout_seconds: float | None = None):
+                        timeout_seconds: float | None = None, start: int = 0):
         """``KVBackend.retrieve_chunks`` over the server: the views are the pinned L1 slots (shared memory)
         or the received frames. The client lock is held throughout the ``with`` block (one call at a time),
         so copy and leave. ``ok`` turns False when the server's lease ran out meanwhile (the slot may have
@@ -386,7 +386,8 @@ class Client:
         with self._lock:
             shm = self._arena is not None
             reply, payload = self._call(P.RetrieveBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
-                                                        namespace=namespace, extra_keys=extra_keys),
+                                                        namespace=namespace, extra_keys=extra_keys,
+                                                        start=_start(start)),
                                         deadline=deadline)
             ticket = 0
             if isinstance(reply, P.RetrieveSlots) and reply.slots and self._arena is not None:
@@ -501,3 +502,10 @@ class Client:
 
 def _frames_match(payload, slots) -> bool:
     return len(payload) == len(slots) and all(len(f) == s.nbytes for f, s in zip(payload, slots))
+
+
+def _start(start) -> int:
+    """``start`` checked as ``KVCache`` checks it (the server would refuse a bad one as a protocol error)."""
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise InputError(f"start must be an int >= 0 (a token offset), got {start!r}")
+    return start

@@ -27,10 +27,12 @@ import time
 
 import zmq
 from vllm.distributed.kv_events import KVConnectorKVEvents
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
 from kvtier.backend import KVBackend
 from kvtier.connectors.vllm_config import check_chunk_size, connector_config, layout_of
+from kvtier.connectors.vllm_groups import KVGroups
+from kvtier.connectors.vllm_hybrid import HybridScheduler, HybridWorker
 from kvtier.connectors.vllm_identity import VLLMIdentity
 from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, LoadOp, SaveOp, SchedulerSide  # noqa: F401
 from kvtier.connectors.vllm_worker import WorkerSide, to_vllm_events
@@ -71,7 +73,7 @@ class KVTierEvents(KVConnectorKVEvents):
         self._events.clear()
 
 
-class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
+class KVTierConnector(HybridScheduler, HybridWorker, SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by kvtier. See the module docstring for the configuration."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -90,11 +92,22 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self.model_id = self.identity.model_id  # the weights' identity, never the served name
         self.metrics = Metrics()
         self.chunk_size = self.config.chunk_size
-        check_chunk_size(self.chunk_size, self.block_size)  # fail fast, before any connection
+        # several KV cache groups (vLLM's hybrid KV cache manager, e.g. Gemma-3): one backend per part
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        self.groups = KVGroups.from_vllm(kv_cache_config, self.layout) if len(groups) > 1 else None
+        self.hybrid = self.groups is not None
+        self._check_chunk_size()  # fail fast, before any connection
         self._in_process = settings.server_url is None
         self._warned = False
         self._reported_at = time.monotonic()
-        self.backend: KVBackend | None = self._open_backend()
+        self._tiers = None  # in process, hybrid: the parts' caches share one L1 and L2
+        layouts = [part.layout for part in self.groups.parts] if self.hybrid else [self.layout]
+        self.backends: list[KVBackend | None] = [self._open_backend(layout) for layout in layouts]
+        self.backend: KVBackend | None = self.backends[0] if all(self.backends) else None
+        if self.hybrid and self.layerwise:
+            logger.warning("kvtier: use_layerwise does not apply to a model with several KV cache groups (loads "
+                           "are asynchronous, outside the forward pass); ignored")
+            self.layerwise = False
         self._events: KVTierEvents | None = None
         self._init_scheduler()
         self._feed = None  # the kvtier server's chunks as this engine's KV events (scheduler side)
@@ -105,19 +118,30 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
                                    replay_endpoint=settings.server_events_replay, server_url=settings.server_url,
                                    secret_file=settings.auth_secret_file, flush=engine_flush(self, to_vllm_events))
         self._init_worker()
+        self._init_hybrid()
+        self._init_hybrid_worker()
         if self.can_load and tc.kv_load_failure_policy != "recompute":
             logger.warning("kvtier: kv_load_failure_policy is %r: a kvtier load that fails (server gone, L2 error, "
                            "deadline) fails the request; set \"kv_load_failure_policy\": \"recompute\" so vLLM "
                            "recomputes those blocks instead", tc.kv_load_failure_policy)
-        logger.info("kvtier connector: role=%s side=%s chunk_size=%d block_size=%d layerwise=%s backend=%s",
+        logger.info("kvtier connector: role=%s side=%s chunk_size=%d block_size=%d layerwise=%s backend=%s%s",
                     self.kv_role, role.name, self.chunk_size, self.block_size, self.layerwise,
-                    type(self.backend).__name__ if self.backend else "none (serving without kvtier)")
+                    type(self.backend).__name__ if self.backend else "none (serving without kvtier)",
+                    "" if not self.hybrid else " parts=" + "; ".join(
+                        f"{p.kind}{'/' + str(p.window) if p.window else ''} groups {list(p.group_ids)}"
+                        for p in self.groups.parts))
 
     # ---- backend -----------------------------------------------------------------------
-    def _open_backend(self) -> KVBackend | None:
+    def _check_chunk_size(self) -> None:
+        if self.hybrid:
+            self.groups.check_chunk_size(self.chunk_size)
+        else:
+            check_chunk_size(self.chunk_size, self.block_size)
+
+    def _open_backend(self, layout) -> KVBackend | None:
         settings = self.config.connector
         if settings.server_url is None:
-            return self._open_in_process()
+            return self._open_in_process(layout)
         from kvtier.client import Client
 
         expect = self.identity.hash_settings()  # the server hashes exactly like this engine, or refuses
@@ -126,7 +150,7 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         try:
             # an unreachable server is not an error: the client answers misses (one warning, the
             # kvtier_client_unavailable_total metric) and picks the server up when it appears
-            client = Client(settings.server_url, model=self.model_id, layout=self.layout, expect=expect,
+            client = Client(settings.server_url, model=self.model_id, layout=layout, expect=expect,
                             metrics=self.metrics, timeout_seconds=settings.timeout_seconds,
                             secret_file=settings.auth_secret_file,
                             prefault=self._role == KVConnectorRole.WORKER)  # only the worker copies KV
@@ -139,17 +163,21 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
             return None
         if client.info is not None:
             self.chunk_size = client.info.chunk_size
-            check_chunk_size(self.chunk_size, self.block_size)
+            self._check_chunk_size()
         return client
 
-    def _open_in_process(self) -> KVBackend:
+    def _open_in_process(self, layout) -> KVBackend:
         if not self.config.l2_adapters:
             raise ConfigError("the kvtier connector needs kvtier.server_url, or kvtier.local_disk (or "
                               "kvtier.l2_adapters) for an in-process cache: vLLM CPU runs its scheduler and worker "
                               "in separate processes, which share kvtier only through a server or an L2")
-        from kvtier.cache import KVCache
+        from kvtier.cache import KVCache, Tiers
 
-        return KVCache(self.config, self.model_id, self.layout, publish_events=False)
+        if not self.hybrid:
+            return KVCache(self.config, self.model_id, layout, publish_events=False)
+        if self._tiers is None:
+            self._tiers = Tiers(self.config, publish_events=False)
+        return KVCache(self.config, self.model_id, layout, tiers=self._tiers)
 
     def _call(self, what: str, fn, *args, default=None, **kw):
         """Run a backend call. A transport or storage failure is a miss (a warning the first time, and
@@ -195,6 +223,7 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
 
     # ---- events ------------------------------------------------------------------------
     def update_connector_output(self, connector_output) -> None:
+        self._hybrid_failed(connector_output.failed_recving)
         events = connector_output.kv_cache_events
         if isinstance(events, KVTierEvents):
             if self._events is None:
@@ -228,5 +257,8 @@ class KVTierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
     def shutdown(self):
         if self._feed is not None:
             self._feed.close()
-        if self.backend is not None:
-            self._call("close", self.backend.close)
+        for backend in self.backends:
+            if backend is not None:
+                self._call("close", backend.close)
+        if self._tiers is not None:
+            self._call("close", self._tiers.close)

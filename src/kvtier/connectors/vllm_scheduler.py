@@ -59,6 +59,8 @@ class SaveOp:
 class KVTierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    hybrid_loads: list = field(default_factory=list)  # vllm_hybrid.HybridLoad (models with several KV cache groups)
+    hybrid_saves: list = field(default_factory=list)  # vllm_hybrid.HybridSave
 
 
 @dataclass
@@ -106,7 +108,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         tokens = request.prompt_token_ids or []
         look = self._lookups.get(request.request_id)
-        if look is not None and look.num_prompt == len(tokens):
+        if look is not None and look.num_prompt == len(tokens) and not self.hybrid:  # hybrid: async, asked anew
             # a retry while the request waits for blocks: kvtier was asked moments ago, and a chunk evicted
             # since is a failed load that vLLM recomputes (kv_load_failure_policy "recompute")
             look.num_computed = num_computed_tokens
@@ -120,6 +122,8 @@ class SchedulerSide:
             look.seen_upto = self._count_sighting(request, ns, len(tokens))
         if not self.can_load or self.backend is None or controls.max_load_tokens == 0:
             return 0, False
+        if self.hybrid:
+            return self._hybrid_matched(request, look)
         tokens = list(tokens)
         started = time.perf_counter()
         hits = self._call("lookup", self.backend.lookup_tiers, tokens, default=(0, 0),
@@ -158,6 +162,8 @@ class SchedulerSide:
         look = self._lookups.get(request.request_id)
         if look is not None and num_external_tokens > 0:
             self._loads[request.request_id] = (look.end - num_external_tokens, look.end, look.l1_hit)
+            if self.hybrid:
+                self._hybrid_after_alloc(request, blocks, look, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """Tokens ``[start, end)`` being loaded, split: those inside kvtier's L1 hit are HOST, the rest DISK."""
@@ -170,6 +176,10 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVTierConnectorMetadata()
+        if self.hybrid:
+            self._hybrid_build_meta(scheduler_output, meta)
+            self._report_costs()
+            return meta
         bs = self.block_size
         for new in scheduler_output.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids or [])
@@ -215,9 +225,15 @@ class SchedulerSide:
 
     def request_finished(self, request, block_ids):
         self._tracks.pop(request.request_id, None)
+        self._hybrid_tracks.pop(request.request_id, None)
+        self._load_failed.discard(request.request_id)
         self._lookups.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         return False, None  # saves are synchronous: the blocks may be freed at once
+
+    def request_finished_all_groups(self, request, block_ids):
+        """vLLM's hybrid KV cache manager (``SupportsHMA``): ``block_ids`` per KV cache group."""
+        return self.request_finished(request, block_ids)
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvtier keeps its data (it is shared with other

@@ -46,6 +46,9 @@ class WorkerSide:
         self._worker_events: list = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if self.hybrid:
+            self._hybrid_register(kv_caches)
+            return
         names = layer_order(kv_caches)
         if len(names) != self.layout.num_layers:
             raise KVTierError(f"vLLM registered {len(names)} KV cache layers, the model config says "
@@ -63,6 +66,8 @@ class WorkerSide:
         self._layer_loads = []
         if not isinstance(meta, KVTierConnectorMetadata):
             return
+        if meta.hybrid_loads:
+            self._hybrid_load_all(meta.hybrid_loads)
         step_started = time.monotonic()
         deadline = step_started + self.load_timeout_seconds  # one deadline for the step's loads: none waits longer
         for op in meta.loads:
@@ -136,6 +141,8 @@ class WorkerSide:
         meta = self._connector_metadata
         self._layer_loads = []
         staged, self._layer_saves = self._layer_saves, []
+        if isinstance(meta, KVTierConnectorMetadata) and meta.hybrid_saves:
+            self._hybrid_save_all(meta.hybrid_saves)
         if not isinstance(meta, KVTierConnectorMetadata) or self.backend is None or not meta.saves:
             return
         started = time.perf_counter()

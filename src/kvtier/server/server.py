@@ -293,7 +293,7 @@ class KVTierServer:
 
     def _on_Lookup(self, identity, session, msg, payload):
         hits = session.cache.lookup_tiers(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                          extra_keys=msg.extra_keys)
+                                          extra_keys=msg.extra_keys, start=msg.start)
         return P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens), []
 
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
@@ -329,7 +329,7 @@ class KVTierServer:
             return self._limited(msg, "leases", refusal), []
         quarantined = self.quarantine.bytes_of(identity)
         ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                           extra_keys=msg.extra_keys,
+                                           extra_keys=msg.extra_keys, start=msg.start,
                                            max_bytes=self.limits.reserve_budget(session.usage, quarantined))
         if ticket.limited and not ticket.slots:
             return self._limited(msg, "reserved_bytes", self.limits.reserved_refusal(session.usage, quarantined)), []
@@ -387,13 +387,16 @@ class KVTierServer:
         cache = session.cache
         namespace = session.namespace_for(msg.namespace)
         tokens = P.unpack_tokens(msg.tokens)
+        start = getattr(msg, "start", 0)  # RetrieveBegin's (a sliding-window part's chunks from there on)
         _, refs = cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys)
+        refs = refs[start // cache.chunk_size:] if start > 0 else refs
         n = cache.l1_prefix(refs)
         if n == len(refs) or not self.tiers.l2.lookup([refs[n].key]):
             return False
         now = time.monotonic()
         job = Job(identity, msg, session, now, now + self.config.server.promote_timeout_seconds)
-        if self.promoter.submit(job, lambda: cache.prefetch(tokens, namespace, extra_keys=msg.extra_keys)):
+        if self.promoter.submit(job, lambda: cache.prefetch(tokens, namespace, extra_keys=msg.extra_keys,
+                                                            start=start)):
             return True
         self.metrics.inc("kvtier_l2_promotions_refused_total")
         return False
@@ -443,7 +446,7 @@ class KVTierServer:
         if refusal and msg.shm and session.shm:
             return self._limited(msg, "leases", refusal), []
         ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                      extra_keys=msg.extra_keys, promote=False)
+                                      extra_keys=msg.extra_keys, promote=False, start=msg.start)
         shm = msg.shm and session.shm
         if not shm:
             keep = self._frame_budget(ticket.slots)

@@ -1,0 +1,301 @@
+"""The kvtier vLLM connector for hybrid models: several KV cache groups (sliding-window and full attention).
+
+With vLLM's hybrid KV cache manager (the connector declares ``SupportsHMA``) a model such as Gemma-3 has several
+KV cache groups, each with its own block table per request (``connectors.vllm_groups``). kvtier stores each
+*part* (the groups of one attention kind and window) as its own chunks, through its own backend opened with the
+part's ``KVLayout`` (whose ``group`` enters every chunk key, so keys never mix groups):
+
+* a full-attention part stores and loads every chunk of the prompt;
+* a sliding-window part stores only the chunks of the window a later load of this prompt needs (before the last
+  block vLLM would load, ``KVPart.load_span``), and only while vLLM still holds their blocks
+  (``KVPart.store_span``); a load writes only the blocks vLLM allocated, the window before the load's end. Its
+  backend calls pass ``start`` (``KVBackend``): the chunks before it are hashed, never stored nor read.
+
+Loads are asynchronous for vLLM (``get_num_new_matched_tokens`` answers ``(n, True)``): vLLM 0.32 refuses
+block-level load errors with more than one group (``Scheduler._handle_invalid_blocks`` raises), so a load that
+fails is reported as a failed receive (``get_transfer_results``) and vLLM recomputes the request. The worker
+copies the KV in the step that carries the load and reports it finished in that same step. ``use_layerwise`` does
+not apply (the copy happens outside the forward pass). Scheduler and worker methods are mixed into
+``KVTierConnector`` and called only when ``self.groups.hybrid``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvtier.connectors.vllm_layout import as_torch, block_views, gather_chunk, scatter_chunk
+from kvtier.errors import InputError
+
+logger = logging.getLogger("vllm.kvtier_connector")
+
+
+@dataclass
+class PartLoad:
+    """Tokens ``[lo, hi)`` of one part, into ``block_ids`` (one list per group of the part, blocks of ``[lo, hi)``)."""
+    part: int
+    lo: int
+    hi: int
+    block_ids: list[list[int]]
+
+
+@dataclass
+class HybridLoad:
+    """One request's load: every part's span, or ``parts`` None when vLLM's blocks did not match the plan."""
+    req_id: str
+    token_ids: list[int]
+    namespace: str
+    extra_keys: list | None
+    parts: list[PartLoad] | None
+
+
+@dataclass
+class HybridSave:
+    """Store the chunks ``[lo, len(token_ids))`` of one part; ``block_ids`` per group of the part, from token 0
+    (entries before ``lo`` are not read: they may be stale or the null block)."""
+    req_id: str
+    part: int
+    token_ids: list[int]
+    namespace: str
+    extra_keys: list | None
+    lo: int
+    block_ids: list[list[int]]
+
+
+@dataclass
+class _HybridTrack:
+    token_ids: list[int]
+    namespace: str
+    extra_keys: list | None
+    tables: list[list[int]]  # per vLLM group, as the scheduler handed them out
+    stored_upto: list[int]  # per part: chunks before this are held (or asked for)
+    store_limit: int
+    keep_from: list[int] = field(default_factory=list)  # per part: the first chunk worth storing
+
+
+class HybridScheduler:
+    """Scheduler-side hybrid methods of ``KVTierConnector``."""
+
+    def _init_hybrid(self) -> None:
+        self._hybrid_loads: list[HybridLoad] = []
+        self._hybrid_tracks: dict[str, _HybridTrack] = {}
+        self._load_failed: set[str] = set()  # requests whose load failed: recomputed, never offered again
+
+    def _hybrid_failed(self, req_ids) -> None:
+        """The worker's failed receives (``update_connector_output``): vLLM recomputes these requests from
+        scratch and asks the connector again; kvtier must then answer 0, or the request loops on the same failure."""
+        self._load_failed.update(req_ids or ())
+
+    def _hybrid_load_end(self, tokens: list[int], num_computed: int, limit: int, kw: dict) -> tuple[int, int]:
+        """``(end, l1_end)``: where a load from kvtier ends (every part holds what it needs up to there; block
+        aligned; ``end <= num_computed``: nothing to load) and where the full-attention part's L1 run ends."""
+        bs, c = self.groups.block_size, self.chunk_size
+        end = limit // bs * bs
+        seen: dict[tuple[int, int], tuple[int, int]] = {}
+        l1_end = 0
+        for _ in range(4):  # each round only lowers ``end``; a sliding window moves back with it
+            before = end
+            for i, part in enumerate(self.groups.parts):
+                lo, _ = part.load_span(num_computed, end)
+                if lo >= end:
+                    continue
+                first = lo // c * c
+                if (i, first) not in seen:
+                    seen[i, first] = self._call("lookup", self.backends[i].lookup_tiers, tokens, default=(0, 0),
+                                                start=first, **kw)
+                hit, l1 = seen[i, first]
+                if i == 0:
+                    l1_end = min(l1, hit)
+                end = min(end, hit // bs * bs)
+            if end == before or end <= num_computed:
+                break
+        return end, l1_end
+
+    def _hybrid_matched(self, request, look) -> tuple[int, bool]:
+        if request.request_id in self._load_failed:
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        limit = len(tokens) - 1
+        if look.controls.max_load_tokens is not None:
+            limit = min(limit, look.controls.max_load_tokens)
+        kw = self._ns_kw(look.namespace, look.extra_keys, len(tokens))
+        end, l1_end = self._hybrid_load_end(tokens, look.num_computed, limit, kw)
+        if end <= look.num_computed:
+            return 0, False
+        look.end = look.hit = end
+        look.l1_hit = min(l1_end, end)
+        logger.info("kvtier: request %s: %d prompt tokens, vLLM has %d, kvtier has every part up to %d (%d in L1), "
+                    "loading %d", request.request_id, len(tokens), look.num_computed, end, look.l1_hit,
+                    end - look.num_computed)
+        return end - look.num_computed, True
+
+    def _hybrid_after_alloc(self, request, blocks, look, num_external: int) -> None:
+        start, end = look.end - num_external, look.end
+        tables = blocks.get_block_ids()
+        tokens = list(request.prompt_token_ids or [])
+        parts: list[PartLoad] | None = []
+        try:
+            for i, part in enumerate(self.groups.parts):
+                lo, hi = part.load_span(start, end)
+                if lo < hi:
+                    parts.append(PartLoad(i, lo, hi, part.block_ids(tables, lo, hi)))
+        except InputError as exc:  # vLLM allocated otherwise than planned: fail the load, vLLM recomputes
+            logger.warning("kvtier: request %s: %s; its load is reported failed", request.request_id, exc)
+            parts = None
+        end_chunk = min(len(tokens), -(-end // self.chunk_size) * self.chunk_size)
+        self._hybrid_loads.append(HybridLoad(request.request_id, tokens[:end_chunk], look.namespace,
+                                             look.extra_keys, parts))
+
+    def _hybrid_build_meta(self, scheduler_output, meta) -> None:
+        self._hybrid_loads, meta.hybrid_loads = [], self._hybrid_loads
+        for load in meta.hybrid_loads:
+            self._loads.pop(load.req_id, None)  # only for the hit sources, asked right after the allocation
+        for new in scheduler_output.scheduled_new_reqs:
+            look = self._lookups.pop(new.req_id, None)
+            self._loads.pop(new.req_id, None)
+            tokens = list(new.prompt_token_ids or [])
+            limit = len(tokens)
+            ns, extra, loaded = "", None, 0
+            if look is not None:
+                ns, extra, loaded = look.namespace, look.extra_keys, look.end
+                if look.controls.max_store_tokens is not None:
+                    limit = look.controls.max_store_tokens
+                if look.seen_upto is not None:  # connector.store_after_seen
+                    limit = min(limit, look.seen_upto)
+            done = loaded // self.chunk_size * self.chunk_size
+            track = _HybridTrack(tokens, ns, extra, [list(t) for t in new.block_ids],
+                                 [done] * len(self.groups.parts), limit)
+            track.keep_from = self._keep_from(track)
+            self._hybrid_tracks[new.req_id] = track
+            self._hybrid_plan_save(meta, new.req_id, new.num_computed_tokens,
+                                   new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            track = self._hybrid_tracks.get(req_id)
+            if track is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                track.tables = [list(t) for t in new_ids] if new_ids else [[] for _ in track.tables]
+            elif new_ids:
+                for table, ids in zip(track.tables, new_ids):
+                    table.extend(ids)
+            before = cached.num_computed_tokens[i]
+            self._hybrid_plan_save(meta, req_id, before, before + scheduler_output.num_scheduled_tokens[req_id])
+        for req_id in scheduler_output.finished_req_ids:
+            self._hybrid_tracks.pop(req_id, None)
+
+    def _keep_from(self, track: _HybridTrack) -> list[int]:
+        """Per part, the first chunk worth storing: 0 for full attention; for a sliding window, the chunk holding
+        the first token of the window a load of this very prompt would need (a longer prompt's load ends later and
+        needs a later window, which these chunks also cover)."""
+        c, bs = self.chunk_size, self.groups.block_size
+        last = min(len(track.token_ids), track.store_limit) // c * c
+        load_end = min(last, (len(track.token_ids) - 1) // bs * bs)
+        return [part.load_span(0, load_end)[0] // c * c for part in self.groups.parts]
+
+    def _hybrid_plan_save(self, meta, req_id: str, before: int, after: int) -> None:
+        track = self._hybrid_tracks[req_id]
+        c = self.chunk_size
+        last = min(len(track.token_ids), track.store_limit) // c * c
+        if self.can_store and self.backend is not None:
+            for i, part in enumerate(self.groups.parts):
+                span_lo, span_hi = part.store_span(before, after, c)
+                lo = max(span_lo, track.keep_from[i], track.stored_upto[i])
+                hi = min(span_hi, last)
+                if hi <= lo:
+                    continue
+                nb = -(-hi // part.block_size)
+                meta.hybrid_saves.append(HybridSave(req_id, i, track.token_ids[:hi], track.namespace,
+                                                    track.extra_keys, lo,
+                                                    [list(track.tables[g][:nb]) for g in part.group_ids]))
+                track.stored_upto[i] = hi
+        if not self.can_store or all(s >= last for s in track.stored_upto):
+            self._hybrid_tracks.pop(req_id, None)
+
+
+class HybridWorker:
+    """Worker-side hybrid methods of ``KVTierConnector``."""
+
+    def _init_hybrid_worker(self) -> None:
+        self._group_blocks: dict[int, list] = {}
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+
+    def _hybrid_register(self, kv_caches) -> None:
+        self.groups.check_kv_caches(kv_caches)
+        for part in self.groups.parts:
+            for g, names in part.groups:
+                self._group_blocks[g] = block_views([kv_caches[name] for name in names])
+        self._torch_dtype = getattr(torch, self.layout.dtype)
+
+    def _hybrid_load_all(self, loads: list[HybridLoad]) -> None:
+        deadline = time.monotonic() + self.load_timeout_seconds
+        for op in loads:
+            ok = op.parts is not None and self._call("retrieve", self._hybrid_load, op, deadline, default=False)
+            self._recv_done.add(op.req_id)
+            if not ok:
+                self._recv_failed.add(op.req_id)
+                late = time.monotonic() > deadline
+                self.metrics.inc("kvtier_connector_load_failed_tokens_total",
+                                 max((p.hi for p in op.parts or []), default=0), reason="deadline" if late else "miss")
+                logger.warning("kvtier: request %s: the load from kvtier failed (%s); vLLM recomputes the request",
+                               op.req_id, f"past the {self.load_timeout_seconds:g} s deadline" if late else
+                               "not available")
+
+    def _hybrid_load(self, op: HybridLoad, deadline: float) -> bool:
+        """Copy every part's span of ``op`` into vLLM's blocks; True when all of it loaded."""
+        c = self.chunk_size
+        for pl in op.parts:
+            part, backend = self.groups.parts[pl.part], self.backends[pl.part]
+            if backend is None or time.monotonic() >= deadline:
+                return False
+            bs, slices = part.block_size, part.layer_slices()
+            with backend.retrieve_chunks(op.token_ids, timeout_seconds=max(0.0, deadline - time.monotonic()),
+                                         start=pl.lo // c * c, **self._ns_kw(op.namespace, op.extra_keys,
+                                                                             len(op.token_ids))) as got:
+                if got.num_tokens < pl.hi:
+                    return False
+                for first, view in got.chunks:
+                    lo, hi = max(first, pl.lo), min(first + view.shape[2], pl.hi)
+                    if lo >= hi:
+                        continue
+                    chunk = as_torch(view, self._torch_dtype)
+                    for (g, layers), ids in zip(slices, pl.block_ids):
+                        scatter_chunk(self._group_blocks[g], ids[(lo - pl.lo) // bs:(hi - pl.lo) // bs],
+                                      chunk[layers], lo - first, hi - first)
+            if not got.ok:  # a pin ran out while copying: nothing copied is trustworthy
+                return False
+        return True
+
+    def _hybrid_save_all(self, saves: list[HybridSave]) -> None:
+        for op in saves:
+            backend = self.backends[op.part]
+            if backend is not None:
+                self._call("store", backend.store_chunks, op.token_ids, self._hybrid_filler(op), default=0,
+                           start=op.lo, **self._ns_kw(op.namespace, op.extra_keys, len(op.token_ids)))
+        if saves and self.backend is not None:  # one event stream: in process the parts share their tiers
+            from kvtier.connectors.vllm_worker import to_vllm_events
+
+            self._worker_events.extend(to_vllm_events(self._call("take_events", self.backend.take_events, default=[])))
+
+    def _hybrid_filler(self, op: HybridSave):
+        part = self.groups.parts[op.part]
+        bs, slices, dtype = part.block_size, part.layer_slices(), self._torch_dtype
+
+        def fill(start: int, dst) -> None:
+            out = as_torch(dst, dtype)
+            for (g, layers), ids in zip(slices, op.block_ids):
+                gather_chunk(self._group_blocks[g], ids[start // bs:], out[layers])
+
+        return fill
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads finished this step (hybrid models): failed ones also among the finished, as vLLM asks."""
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
