@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -163,6 +164,20 @@ class RouterProbe:
         if not line:
             raise RuntimeError(f"the router probe exited:\n{self.log_path.read_text()[-3000:]}")
         return json.loads(line)
+
+    def until(self, tokens: list[int], done, what: str, poke=None, wait_s: float = 60.0) -> dict:
+        """``query(tokens)`` until ``done(view)``, calling ``poke()`` between tries (an engine step publishes the
+        events vLLM queued); returns that view. Raises AssertionError with the last view after ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            view = self.query(tokens)
+            if done(view):
+                return view
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the router never saw {what} within {wait_s:.0f} s; last view: {view}")
+            if poke is not None:
+                poke()
+            time.sleep(0.5)
 
     def stop(self) -> None:
         if self.popen.poll() is None:
