@@ -237,7 +237,7 @@ class KVTierConnector(HybridScheduler, HybridWorker, SchedulerSide, WorkerSide, 
         if self._feed is not None:
             yield from to_vllm_events(self._feed.take_events())
 
-    def reset_cache(self) -> bool:
+    def reset_cache(self) -> None:
         # vLLM's AllBlocksCleared (published before these events) wipes every tier of this worker in a
         # router, but kvtier keeps its chunks: announce the server's again
         if self._feed is not None:

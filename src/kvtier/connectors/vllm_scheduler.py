@@ -235,11 +235,13 @@ class SchedulerSide:
         """vLLM's hybrid KV cache manager (``SupportsHMA``): ``block_ids`` per KV cache group."""
         return self.request_finished(request, block_ids)
 
-    def reset_cache(self) -> bool:
+    def reset_cache(self) -> None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvtier keeps its data (it is shared with other
         engines and survives restarts; its keys carry the model identity, so changed weights never hit old
-        KV). Returns False, vLLM's "not reset"; clear kvtier itself with ``kvtier`` admin ``/clear``."""
+        KV); clear kvtier itself with ``kvtier`` admin ``/clear``. Returns None, vLLM's "nothing to reset here"
+        (False would make the whole reset fail after vLLM's own prefix cache was reset: Dynamo's
+        ``clear_kv_blocks`` answers "KV cache reset failed")."""
         logger.warning("kvtier: vLLM asked the connector to reset its cache; kvtier keeps its data (shared with "
                        "other engines, keyed by model identity). To drop it, POST /clear to the kvtier server's "
                        "admin port (or delete the in-process cache's L2 folder)")
-        return False
+        return None
