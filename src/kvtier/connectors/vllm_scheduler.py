@@ -35,7 +35,8 @@ SEEN_CAPACITY = 1 << 18  # chunk keys counted for store_after_seen (about 40 MB 
 
 @dataclass
 class LoadOp:
-    """Copy tokens ``[start, end)`` of ``token_ids`` from kvtier into ``block_ids`` (the blocks of that range)."""
+    """Copy tokens ``[start, end)`` of ``token_ids`` (the prompt up to the end of the chunk holding ``end``) from
+    kvtier into ``block_ids`` (the blocks of that range)."""
     req_id: str
     token_ids: list[int]
     namespace: str
@@ -190,7 +191,10 @@ class SchedulerSide:
             track = _Track(tokens, look.namespace, list(new.block_ids[0]), look.hit, limit, look.extra_keys)
             if new.req_id in self._loads:
                 start, end, _ = self._loads.pop(new.req_id)
-                meta.loads.append(LoadOp(new.req_id, tokens[:end], look.namespace, start, end,
+                # the tokens up to the end of the chunk holding ``end``: a chunk's key needs all its tokens (vLLM
+                # always computes the last prompt token, so a load often ends inside the prompt's last chunk)
+                upto = min(len(tokens), -(-end // self.chunk_size) * self.chunk_size)
+                meta.loads.append(LoadOp(new.req_id, tokens[:upto], look.namespace, start, end,
                                          track.block_ids[start // bs:end // bs], look.extra_keys))
             self._tracks[new.req_id] = track
             self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
