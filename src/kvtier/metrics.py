@@ -42,7 +42,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_l2_promotions_in_flight", "gauge", "Server promotions queued or running on the pool."),
     MetricSpec("kvtier_l2_probes_skipped_total", "counter", "Lookups past the L2 index whose background probe "
                "was skipped because too many probes were queued."),
-    MetricSpec("kvtier_prefetch_requests_total", "counter", "Prefetch requests the server received (L2 to L1 promotion ahead of a retrieve)."),
+    MetricSpec("kvtier_prefetch_requests_total", "counter",
+               "Prefetch requests the server received (L2 to L1 promotion ahead of a retrieve)."),
     MetricSpec("kvtier_corrupt_records_total", "counter",
                "L2 records that failed verification (deleted, counted as a miss).", ("adapter",)),
     MetricSpec("kvtier_l2_auth_failures_total", "counter", "L2 records whose authentication tag (l2_record_key) "
