@@ -104,7 +104,7 @@ def test_reset_prefix_cache_keeps_kvtier_data(vllm, ids):
     assert cached_tokens(vllm.complete(prompt)) == 512
     resp = httpx.post(vllm.base + "/reset_prefix_cache", params={"reset_external": "true"}, timeout=60)
     resp.raise_for_status()
-    assert resp.json().get("success") is False  # vLLM's answer: the connector did not reset
+    assert resp.json().get("success") is True  # the connector answers None: vLLM's reset succeeds, kvtier keeps its data
     assert "kvtier keeps its data" in vllm.log()
     again = vllm.complete(prompt)
     assert cached_tokens(again) == 512
