@@ -52,7 +52,7 @@ def subscriber_main(endpoint: str, replay: str, num_events: int) -> None:
 
 def bench_publisher(num_events: int) -> None:
     cfg = build_config({"kv_events": {"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0",
-                                      "batch_max_events": 1000, "batch_max_delay_ms": 1}}).kv_events
+                                      "batch_max_events": 1000, "batch_max_delay_seconds": 0.001}}).kv_events
     pub = EventPublisher(cfg)
     child = subprocess.Popen([sys.executable, __file__, "--child", pub.endpoint, pub.replay_endpoint, str(num_events)],
                              stdout=subprocess.PIPE, text=True)

@@ -65,7 +65,7 @@ def metric(admin: str, name: str) -> float:
 
 def start_server(work: str, delay_ms: float, l1_bytes: int):
     port, admin = free_port(), free_port()
-    spec = {"type": "faulty", "latency_ms": delay_ms, "inner": {"type": "local_disk", "path": f"{work}/l2-{port}"}}
+    spec = {"type": "faulty", "latency_seconds": delay_ms / 1000, "inner": {"type": "local_disk", "path": f"{work}/l2-{port}"}}
     cmd = [sys.executable, "-m", "kvtier", "server", "--port", str(port), "--admin-port", str(admin),
            "--l1-size-gb", str(l1_bytes / 1e9), "--eviction-policy", "LRU", "--chunk-size", str(CHUNK),
            "--l2-adapter", json.dumps(spec), "--log-level", "ERROR"]

@@ -13,7 +13,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 import yaml
@@ -83,6 +83,8 @@ def _as_value_error(fn):
 
 
 SizeGB = Annotated[float, BeforeValidator(_as_value_error(parse_size)), Field(ge=0)]
+# a size in bytes: a bare number is bytes, a string may carry a unit ("64MiB", "5MB")
+SizeBytes = Annotated[int, BeforeValidator(_as_value_error(lambda v: int(parse_size(v, "B")))), Field(ge=0)]
 Bool = Annotated[bool, BeforeValidator(_as_value_error(parse_bool))]
 
 
@@ -99,12 +101,45 @@ def _algorithm(value: Any) -> str:
     return value
 
 
-class _Section(pydantic.BaseModel):
+_UNIT_NOTES = {("_ms", "_seconds"): "the value is now in seconds: divide the milliseconds by 1000",
+               ("_mb", "_bytes"): "the value is now in bytes; a size such as '64MiB' also works"}
+
+
+class RenamedKeyError(ValueError):
+    """A configuration key given under a former name; the message names the new one."""
+
+
+class StrictModel(pydantic.BaseModel):
+    """A config section: unknown keys are refused, and so are former names (``renamed_fields``: old -> new,
+    merged with the base classes') with a message naming the new key: a dropped setting would go unseen."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    renamed_fields: ClassVar[dict[str, str]] = {}
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            msgs, renamed = [], {}
+            for klass in reversed(cls.__mro__):
+                renamed.update(vars(klass).get("renamed_fields", {}))
+            for old, new in renamed.items():
+                if old in data:
+                    note = next((n for (a, b), n in _UNIT_NOTES.items() if old.endswith(a) and new.endswith(b)), "")
+                    msgs.append(f"key {old!r} was renamed to {new!r}" + (f" ({note})" if note else ""))
+            if msgs:
+                raise RenamedKeyError("; ".join(msgs))
+        return data
+
+
+class _Section(StrictModel):
     model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class KVEventsConfig(_Section):
     """KV cache event publishing (vLLM ``--kv-events-config`` names where they exist)."""
+
+    renamed_fields = {"batch_max_delay_ms": "batch_max_delay_seconds"}
 
     endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
@@ -116,7 +151,7 @@ class KVEventsConfig(_Section):
     buffer_max_bytes: int = Field(64 << 20, gt=0)  # replay ring size, in encoded bytes (the oldest batches go first)
     max_queue_size: int = Field(100_000, gt=0)  # events queued before the publisher thread; overflow is dropped and counted
     batch_max_events: int = Field(1_000, gt=0)
-    batch_max_delay_ms: float = Field(10.0, ge=0)
+    batch_max_delay_seconds: float = Field(0.01, ge=0)
     data_parallel_rank: int = Field(0, ge=0)
     replay_auth: Bool = True  # with server.auth: replay consumers need the secret (CurveZMQ); false: vLLM-compatible
 
@@ -305,6 +340,8 @@ def build_config(data: dict) -> KVTierConfig:
                 cause = err.get("ctx", {}).get("error")  # kvtier's own validators already quote the value
                 if not key:  # a check across keys (block_size vs chunk_size): its message names them
                     msgs.append(str(cause or err["msg"]))
+                elif isinstance(cause, RenamedKeyError):  # raised by the section, so loc is the section
+                    msgs.append(f"in section {key!r}: {cause}")
                 else:
                     msgs.append(f"key {key!r}: {cause}" if cause else f"key {key!r}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None

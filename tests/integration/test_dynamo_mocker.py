@@ -156,7 +156,7 @@ class FedWorker:
         from kvtier.events import EventPublisher
 
         self.feed = feed
-        self.publisher = EventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0", batch_max_delay_ms=0))
+        self.publisher = EventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0", batch_max_delay_seconds=0))
         self._stop = False
         import threading
 

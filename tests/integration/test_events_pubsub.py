@@ -25,7 +25,7 @@ def event(i: int) -> BlockStored:
 
 
 def config(**kw) -> KVEventsConfig:
-    base = dict(endpoint=TCP, replay_endpoint=TCP, batch_max_events=1, batch_max_delay_ms=0)
+    base = dict(endpoint=TCP, replay_endpoint=TCP, batch_max_events=1, batch_max_delay_seconds=0)
     base.update(kw)
     return KVEventsConfig(**base)
 
@@ -229,7 +229,7 @@ def test_connect_mode_publisher_to_a_binding_subscriber():
 
 def test_queue_overflow_is_counted_and_reported_with_the_next_batch(caplog):
     metrics = Metrics()
-    cfg = config(replay_endpoint=None, max_queue_size=10, batch_max_events=1000, batch_max_delay_ms=60_000)
+    cfg = config(replay_endpoint=None, max_queue_size=10, batch_max_events=1000, batch_max_delay_seconds=60)
     pub = EventPublisher(cfg, metrics=metrics)
     try:
         assert pub.publish([event(i) for i in range(25)]) == 10
@@ -246,7 +246,7 @@ def test_queue_overflow_is_counted_and_reported_with_the_next_batch(caplog):
 
 @pytest.mark.parametrize("encoding", ["vllm", "vllm-legacy", "sglang"])
 def test_emitter_through_publisher_to_subscriber_index(encoding):
-    kv = dict(endpoint=TCP, replay_endpoint=TCP, encoding=encoding, batch_max_delay_ms=1)
+    kv = dict(endpoint=TCP, replay_endpoint=TCP, encoding=encoding, batch_max_delay_seconds=0.001)
     cfg = build_config({"chunk_size": 8, "block_size": 4, "hash_algorithm": "sha256_cbor", "hash_seed": "0",
                         "enable_kv_events": True, "kv_events": kv, "l1_size_gb": "1MiB"})
     tokens = list(range(1, 17))

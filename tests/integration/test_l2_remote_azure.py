@@ -91,7 +91,7 @@ def test_record_deleted_out_of_band_is_a_miss(azurite):
 
 
 def test_large_record_goes_in_blocks_and_round_trips(azurite):
-    with closing(create_adapter(spec(azurite, prefix="blocks/", max_single_put_mb=4))) as adapter:
+    with closing(create_adapter(spec(azurite, prefix="blocks/", max_single_put_bytes=4 << 20))) as adapter:
         name, parts, payload = record(3, KVLayout(num_layers=30, num_kv_heads=3, head_dim=64), 256)
         assert adapter.put([(name, parts)]) == [True]
         blob = raw(azurite).get_container_client("kvtier-it").get_blob_client("blocks/" + name)

@@ -79,7 +79,7 @@ def test_tls_rediss_url(tmp_path, caplog):
         with pytest.raises(ConfigError, match="TLS certificate.*tls_ca_file"):  # the system CAs do not trust it
             create_adapter({"type": "redis", "url": server.url})
         plain = create_adapter({"type": "redis", "url": f"redis://127.0.0.1:{server.port}/0", "retries": 0,
-                                "socket_timeout_s": 1, "connect_timeout_s": 1})
+                                "socket_timeout_seconds": 1, "connect_timeout_seconds": 1})
         assert plain.health()[0] is False  # plain text to a TLS-only port: unhealthy, not a crash
         plain.close()
 
@@ -127,7 +127,7 @@ def test_large_record_is_split_and_reassembled(redis_server):
 
 
 def test_ttl_expires_records(redis_server):
-    adapter = create_adapter({"type": "redis", "url": redis_server.url, "prefix": "ttl:", "ttl_s": 30,
+    adapter = create_adapter({"type": "redis", "url": redis_server.url, "prefix": "ttl:", "ttl_seconds": 30,
                               "max_value_bytes": 4096})
     raw = redis_server.client()
     try:

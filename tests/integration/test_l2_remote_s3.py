@@ -39,7 +39,7 @@ def payload_of(buf) -> bytes:
 
 
 # spec fields that make an adapter whose service is down fail fast and retry often
-FAST_RETRY = {"retries": 0, "connect_timeout_s": 1, "retry_backoff_s": 0.1, "retry_backoff_max_s": 0.5}
+FAST_RETRY = {"retries": 0, "connect_timeout_seconds": 1, "retry_backoff_seconds": 0.1, "retry_backoff_max_seconds": 0.5}
 
 
 def round_trip(adapter, seed: int = 1) -> str:
@@ -134,7 +134,7 @@ def test_record_deleted_out_of_band_is_a_miss(moto):
 
 
 def test_large_record_goes_multipart_and_round_trips(moto):
-    with closing(create_adapter(spec(moto, prefix="mp/", multipart_threshold_mb=5))) as adapter:
+    with closing(create_adapter(spec(moto, prefix="mp/", multipart_threshold_bytes="5MiB"))) as adapter:
         layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2: 11.25 MiB per 256 tokens
         name, parts, payload = record(3, layout, 256)
         assert adapter.put([(name, parts)]) == [True]

@@ -41,7 +41,7 @@ _STARTERS = {
     "redis_cluster": services.start_redis_cluster,
 }
 # short timeouts and backoff: a store that is down must cost the test little time
-FAST = {"connect_timeout_s": 1.0, "retry_backoff_s": 0.1, "retry_backoff_max_s": 0.5}
+FAST = {"connect_timeout_seconds": 1.0, "retry_backoff_seconds": 0.1, "retry_backoff_max_seconds": 0.5}
 
 
 class Stores:
@@ -70,7 +70,7 @@ class Stores:
                     "connection_string": self.get("azurite").connection_string, **FAST}
         handle = self.get(kind)
         return {"type": "valkey" if kind == "valkey" else "redis", "url": handle.url, "prefix": f"{tag}:",
-                "cluster": kind == "redis_cluster", "socket_timeout_s": 2.0, "retries": 0, **FAST}
+                "cluster": kind == "redis_cluster", "socket_timeout_seconds": 2.0, "retries": 0, **FAST}
 
     def stop(self) -> None:
         for handle in self.handles.values():

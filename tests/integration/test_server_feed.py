@@ -107,7 +107,7 @@ def server_clear(server) -> dict:
 def test_the_engines_clear_is_answered_by_a_reannouncement(tmp_path):
     prompt = list(range(2000, 2016))
     server, events = start_server(tmp_path)
-    engine = EventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/engine", batch_max_delay_ms=0))
+    engine = EventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/engine", batch_max_delay_seconds=0))
     feed = None
     try:
         feed = open_feed(server.port, events, engine_endpoint=engine.endpoint)
@@ -195,7 +195,7 @@ def test_nothing_is_flushed_before_the_engines_first_step(tmp_path):
 
 def test_a_reannouncement_waits_for_the_engines_clear_before_an_idle_flush(tmp_path):
     server, events = start_server(tmp_path)
-    engine = EventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/engine", batch_max_delay_ms=0))
+    engine = EventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/engine", batch_max_delay_seconds=0))
     flushed: list = []
     feed = open_feed(server.port, events, engine_endpoint=engine.endpoint, idle_flush_seconds=0.2,
                      flush=lambda evs: flushed.append(evs) or True)

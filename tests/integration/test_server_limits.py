@@ -98,7 +98,7 @@ def test_live_leases_are_bounded_and_expiries_are_logged_sparingly(tmp_path):
 
 
 def test_requests_in_flight_are_bounded(tmp_path):
-    slow = {"type": "faulty", "inner": {"type": "memory"}, "latency_ms": 3000, "ops": ["put"]}
+    slow = {"type": "faulty", "inner": {"type": "memory"}, "latency_seconds": 3, "ops": ["put"]}
     config = {"l2_adapters": [slow], "server": {"max_inflight_requests_per_client": 2}}
     with ServerProc(tmp_path, l1="1MB", config=config) as server, Client(server.url, model="m", layout=LAYOUT) as honest:
         stored = tokens_of(2)

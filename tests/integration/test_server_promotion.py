@@ -18,11 +18,11 @@ from kvtier.client import Client
 from kvtier.client.dataplane import host_id
 
 TOKEN = "promotion-admin"
-HANG_MS = 3_600_000  # an adapter call that never comes back within the test
+HANG_SECONDS = 3600.0  # an adapter call that never comes back within the test
 
 
-def faulty(tmp_path: Path, latency_ms: float, ops: list[str]) -> tuple[str, ...]:
-    spec = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "l2")}, "latency_ms": latency_ms,
+def faulty(tmp_path: Path, latency_seconds: float, ops: list[str]) -> tuple[str, ...]:
+    spec = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "l2")}, "latency_seconds": latency_seconds,
             "ops": ops}
     return ("--l2-adapter", json.dumps(spec))
 
@@ -80,7 +80,7 @@ def counter(srv: ServerProc, name: str, **labels) -> float:
 
 def test_hung_adapter_promotion_is_a_miss_after_the_deadline(tmp_path):
     tokens, kv = prompt(1, 3)
-    with server(tmp_path, (*faulty(tmp_path, HANG_MS, ["get"]), "--promote-timeout-seconds", "1")) as srv:
+    with server(tmp_path, (*faulty(tmp_path, HANG_SECONDS, ["get"]), "--promote-timeout-seconds", "1")) as srv:
         with Client(srv.url, model="m", layout=LAYOUT, timeout_seconds=20) as client:
             only_in_l2(client, tokens, kv)
             assert client.lookup(tokens) == len(tokens)  # from the adapter's index: no get, no wait
@@ -99,7 +99,7 @@ def test_hung_adapter_promotion_is_a_miss_after_the_deadline(tmp_path):
 def test_a_lookup_completes_while_a_promotion_is_stuck(tmp_path):
     tokens, kv = prompt(3, 2)
     other, other_kv = prompt(4, 2)
-    with server(tmp_path, faulty(tmp_path, HANG_MS, ["get"]), promote_timeout_seconds=20.0) as srv:
+    with server(tmp_path, faulty(tmp_path, HANG_SECONDS, ["get"]), promote_timeout_seconds=20.0) as srv:
         with Client(srv.url, model="m", layout=LAYOUT) as client:
             only_in_l2(client, tokens, kv)
             raw = Raw(srv.url)
@@ -177,7 +177,7 @@ def test_prefetch_of_evicted_chunks_is_a_miss(tmp_path):
 
 def test_clear_does_not_wait_for_the_write_queue(tmp_path):
     tokens, kv = prompt(7, 2)
-    with server(tmp_path, faulty(tmp_path, HANG_MS, ["put"]), shutdown_timeout_seconds=0.5) as srv:
+    with server(tmp_path, faulty(tmp_path, HANG_SECONDS, ["put"]), shutdown_timeout_seconds=0.5) as srv:
         with Client(srv.url, model="m", layout=LAYOUT, timeout_seconds=10) as client:
             assert client.store(tokens, kv) == 2  # its L2 write hangs in the writer thread
             assert client.flush(0.5) is False

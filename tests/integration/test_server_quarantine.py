@@ -95,7 +95,7 @@ def test_a_quarantined_slot_is_freed_when_its_process_is_gone(tmp_path):
 
 def test_bytes_changed_after_commit_are_never_written_to_l2_nor_served(tmp_path):
     slow_l2 = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "l2")},
-               "latency_ms": 1500, "ops": ["put"]}
+               "latency_seconds": 1.5, "ops": ["put"]}
     config = {"l2_adapters": [slow_l2]}
     first = list(range(CHUNK))
     late = list(range(7000, 7000 + CHUNK))

@@ -87,7 +87,7 @@ def test_bad_input_raises_input_error_like_kvcache(server):
 def test_flush_and_clear_by_medium(tmp_path):
     disk = tmp_path / "disk"
     # 300 ms per L2 batch: the flush below is answered later, by the request loop, not at once
-    slow = {"type": "faulty", "inner": {"type": "local_disk", "path": str(disk)}, "latency_ms": 300, "ops": ["put"]}
+    slow = {"type": "faulty", "inner": {"type": "local_disk", "path": str(disk)}, "latency_seconds": 0.3, "ops": ["put"]}
     # clear is a mutation: with no admin token it must be allowed explicitly
     config = {"l2_adapters": [slow], "server": {"allow_unauthenticated_admin": True}}
     with ServerProc(tmp_path, config=config) as server, \

@@ -70,7 +70,7 @@ class Attack:
 def events_config(replay_auth: bool) -> dict:
     return {"enable_kv_events": True,
             "kv_events": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
-                          "batch_max_delay_ms": 1, "replay_auth": replay_auth}}
+                          "batch_max_delay_seconds": 0.001, "replay_auth": replay_auth}}
 
 
 def serves_a_real_client(server: ServerProc, config: dict, seed: int, secret_file=None) -> None:
@@ -227,7 +227,7 @@ def test_tenants_reach_only_their_own_chunks(tmp_path):
 
 def test_flush_is_false_after_the_server_restarted(tmp_path):
     port = free_port()
-    slow = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "disk")}, "latency_ms": 2000,
+    slow = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "disk")}, "latency_seconds": 2,
             "ops": ["put"]}
     server = ServerProc(tmp_path, port=port, config={"l2_adapters": [slow]})
     client = Client(server.url, model="m", layout=LAYOUT, retry_after_seconds=0.2)

@@ -62,7 +62,7 @@ def test_ports_in_use_are_refused_and_leave_no_shared_memory():
 def test_sigint_finishes_queued_l2_writes_and_exits_0(tmp_path):
     disk = tmp_path / "disk"
     # each L2 batch takes 200 ms more, so writes are still queued when SIGINT arrives
-    slow_disk = {"type": "faulty", "inner": {"type": "local_disk", "path": str(disk)}, "latency_ms": 200, "ops": ["put"]}
+    slow_disk = {"type": "faulty", "inner": {"type": "local_disk", "path": str(disk)}, "latency_seconds": 0.2, "ops": ["put"]}
     server = ServerProc(tmp_path, config={"l2_adapters": [slow_disk], "l2_write_queue_size": 1024})
     shm_name = server.status()["l1"]["shm_name"]
     assert os.path.exists(f"/dev/shm/{shm_name}")

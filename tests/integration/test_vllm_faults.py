@@ -77,7 +77,7 @@ def stored_reference(vllm, kvtier, prompt) -> tuple[dict, float]:
 
 def during_load(vllm, kvtier, prompt, sig) -> tuple[dict, float]:
     """Send ``prompt`` while L2 reads take 3 s each; one second in (the worker waits on the load), send ``sig``."""
-    kvtier.restart(latency_ms=3000)
+    kvtier.restart(latency_seconds=3)
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(zip(("reply", "seconds"), timed(vllm, prompt))))
     thread.start()

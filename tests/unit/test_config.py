@@ -95,3 +95,32 @@ def test_block_size_defaults_to_the_chunk_size_and_hashing_to_vllms_defaults():
     assert load_config(environ={"KVTIER_BLOCK_SIZE": "128", "KVTIER_CHUNK_SIZE": "256"}).block_size == 128
     with pytest.raises(ConfigError, match="--block-size"):
         load_config(environ={"KVTIER_KV_EVENTS__EVENT_BLOCK_SIZE": "16"})
+
+
+def test_renamed_key_is_refused_naming_the_new_key(tmp_path):
+    """A former unit-less key name stops startup naming its new name (a silent ignore would drop the setting)."""
+    f = tmp_path / "old.yaml"
+    f.write_text("kv_events:\n  batch_max_delay_ms: 5\n")
+    for kwargs in ({"path": f, "environ": {}}, {"environ": {"KVTIER_KV_EVENTS__BATCH_MAX_DELAY_MS": "5"}}):
+        with pytest.raises(ConfigError, match="in section 'kv_events': key 'batch_max_delay_ms' was renamed to "
+                                              "'batch_max_delay_seconds' .the value is now in seconds"):
+            load_config(**kwargs)
+    assert build_config({"kv_events": {"batch_max_delay_seconds": 0.005}}).kv_events.batch_max_delay_seconds == 0.005
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ({"type": "memory", "size_gb": 1, "latency_ms": 5}, "unknown field 'latency_ms'"),  # only faulty had it
+    ({"type": "faulty", "inner": {"type": "memory"}, "latency_ms": 5},
+     "key 'latency_ms' was renamed to 'latency_seconds' .the value is now in seconds"),
+    # checked before any connection is tried; fields of the shared base (connect_timeout_s) too
+    ({"type": "redis", "url": "redis://127.0.0.1:1", "ttl_s": 60, "connect_timeout_s": 1},
+     "key 'connect_timeout_s' was renamed to 'connect_timeout_seconds'; key 'ttl_s' was renamed to 'ttl_seconds'"),
+    ({"type": "s3", "bucket": "kvtier", "multipart_threshold_mb": 8},
+     "key 'multipart_threshold_mb' was renamed to 'multipart_threshold_bytes' .the value is now in bytes"),
+])
+def test_renamed_adapter_field_is_refused_naming_the_new_field(spec, needle):
+    from kvtier.l2 import create_adapter
+
+    with pytest.raises(ConfigError, match=needle):
+        create_adapter(spec)
+    assert create_adapter({"type": "faulty", "inner": {"type": "memory"}, "latency_seconds": 0.001}).config.latency_seconds == 0.001

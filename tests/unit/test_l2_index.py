@@ -14,7 +14,7 @@ from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)
 CHUNK = 16
-HANG_MS = 3_600_000
+HANG_SECONDS = 3600.0
 
 
 def cache_over(spec: dict, index_lookups: bool = True) -> KVCache:
@@ -34,7 +34,7 @@ def tokens_and_kv(seed: int, chunks: int):
 
 
 def test_lookup_does_no_adapter_io(tmp_path):
-    spec = {"type": "faulty", "inner": disk(tmp_path / "l2"), "latency_ms": HANG_MS, "ops": ["contains", "get"]}
+    spec = {"type": "faulty", "inner": disk(tmp_path / "l2"), "latency_seconds": HANG_SECONDS, "ops": ["contains", "get"]}
     tokens, kv = tokens_and_kv(1, 3)
     cache = cache_over(spec)
     assert cache.store(tokens, kv) == 3 and cache.flush(30)  # put is not delayed
@@ -68,7 +68,7 @@ def test_a_record_another_writer_stored_is_found_by_a_later_lookup(tmp_path):
 
 
 def test_clear_async_hides_l2_until_done(tmp_path):
-    spec = {"type": "faulty", "inner": disk(tmp_path / "l2"), "latency_ms": HANG_MS, "ops": ["put"]}
+    spec = {"type": "faulty", "inner": disk(tmp_path / "l2"), "latency_seconds": HANG_SECONDS, "ops": ["put"]}
     tokens, kv = tokens_and_kv(4, 2)
     cache = cache_over(spec)
     assert cache.store(tokens, kv) == 2  # the write hangs in the writer thread

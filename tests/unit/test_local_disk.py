@@ -299,7 +299,7 @@ def test_faulty_spec_over_local_disk_forwards_evictions(tmp_path):
 
 def test_faulty_latency_applies_to_selected_ops(tmp_path):
     # a lower bound only: sleeping guarantees it, so this cannot flake on a slow machine
-    faulty = FaultyAdapter.wrap(disk(tmp_path), latency_ms=30, ops=["contains"])
+    faulty = FaultyAdapter.wrap(disk(tmp_path), latency_seconds=0.03, ops=["contains"])
     start = time.monotonic()
     assert faulty.contains(["0123456789abcdef-0123456789abcdef"]) == [False]
     assert time.monotonic() - start >= 0.03

@@ -15,7 +15,7 @@ whose SUB binds, as llm-d does). ``bind=True/False`` (argument, or a ``bind`` co
 The replay socket always binds.
 
 Never blocks the data path: ``publish()`` appends to a bounded queue (``max_queue_size`` events); a publisher
-thread takes up to ``batch_max_events`` at a time, waiting at most ``batch_max_delay_ms`` after the first one.
+thread takes up to ``batch_max_events`` at a time, waiting at most ``batch_max_delay_seconds`` after the first one.
 Events that do not fit are dropped and counted (``kvtier_events_dropped_total``); vLLM's format has no field
 for a loss, so the loss is reported with the next batch sent: a warning log line naming the count and that
 batch's seq, and ``stats()["dropped_events"]``.
@@ -68,7 +68,7 @@ class EventPublisher:
 
     Args:
         kv_events_config: ``KVEventsConfig`` (``endpoint``, ``replay_endpoint``, ``topic``, ``encoding``, ``hwm``,
-            ``buffer_steps``, ``buffer_max_bytes``, ``max_queue_size``, ``batch_max_events``, ``batch_max_delay_ms``,
+            ``buffer_steps``, ``buffer_max_bytes``, ``max_queue_size``, ``batch_max_events``, ``batch_max_delay_seconds``,
             ``data_parallel_rank``).
         metrics: optional ``kvtier.metrics.Metrics`` for ``kvtier_events_dropped_total`` and
             ``kvtier_events_published_total``.
@@ -89,7 +89,7 @@ class EventPublisher:
         self.buffer_steps = cfg.buffer_steps
         self.max_queue_size = cfg.max_queue_size
         self.batch_max_events = cfg.batch_max_events
-        self.batch_max_delay_s = cfg.batch_max_delay_ms / 1000.0
+        self.batch_max_delay_seconds = cfg.batch_max_delay_seconds
         self.data_parallel_rank = cfg.data_parallel_rank
         self._encoder = Encoder(cfg.encoding)
         if bind is None:
@@ -160,12 +160,12 @@ class EventPublisher:
                     "published_events": self._published_events, "dropped_events": self._dropped_total,
                     "buffered_batches": len(self._ring), "buffered_bytes": self._ring_bytes}
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_seconds: float = 10.0) -> None:
         """Publish what is queued, stop the thread, close the sockets. Idempotent."""
         if self._stop:
             return
         self._stop = True
-        self._thread.join(timeout_s)
+        self._thread.join(timeout_seconds)
         if self._zap is not None:
             self._zap.close()
         if not self._thread.is_alive():  # the thread closed its sockets; term waits for PUB's linger
@@ -187,7 +187,7 @@ class EventPublisher:
             if not self._queue:
                 return None
             due = (len(self._queue) >= self.batch_max_events or self._stop
-                   or time.monotonic() - self._first_at >= self.batch_max_delay_s)
+                   or time.monotonic() - self._first_at >= self.batch_max_delay_seconds)
             if not due:
                 return None
             n = min(self.batch_max_events, len(self._queue))
@@ -253,12 +253,12 @@ class EventPublisher:
                 if self._stop and not self._queue:
                     break
                 # idle or waiting for a batch to fill: sleep on the replay socket (short, bounded)
-                wait_s = 0.002 if self._queue else 0.005
+                wait_seconds = 0.002 if self._queue else 0.005
                 if self._router is not None:
-                    if poller.poll(wait_s * 1000):
+                    if poller.poll(wait_seconds * 1000):
                         self._serve_replay()
                 else:
-                    time.sleep(wait_s)
+                    time.sleep(wait_seconds)
         finally:
             self._pub.close()
             if self._router is not None:

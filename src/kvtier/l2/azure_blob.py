@@ -1,6 +1,6 @@
 """L2 adapter for Azure Blob Storage (and Azurite): one block blob per record.
 
-Blob name: ``<prefix><name>``. A record up to ``max_single_put_mb`` is one Put Blob; a larger one is
+Blob name: ``<prefix><name>``. A record up to ``max_single_put_bytes`` is one Put Blob; a larger one is
 uploaded as blocks and committed by one Put Block List, so in both cases a reader sees the whole old
 record, the whole new one, or nothing. The index (name -> size, for ``usage``) is rebuilt by listing
 the container at connect time; ``contains`` asks the service, so other servers' records are seen.
@@ -22,6 +22,7 @@ from azure.core.exceptions import (
 )
 from azure.storage.blob import BlobServiceClient, LinearRetry
 
+from kvtier.config import SizeBytes
 from kvtier.errors import ConfigError
 from kvtier.l2.remote import RemoteAdapter, RemoteConfig, join_parts
 
@@ -36,14 +37,16 @@ class AzureBlobConfig(RemoteConfig):
     SAS token). ``create`` creates a missing container instead of failing.
     """
 
+    renamed_fields = {"max_single_put_mb": "max_single_put_bytes", "read_timeout_s": "read_timeout_seconds"}
+
     container: str = pydantic.Field(min_length=3, max_length=63)
     account_url: str | None = None
     account_name: str | None = None
     credential: pydantic.SecretStr | None = None
     connection_string: pydantic.SecretStr | None = None
     create: bool = False
-    max_single_put_mb: float = pydantic.Field(64.0, gt=0)
-    read_timeout_s: float = pydantic.Field(30.0, gt=0)
+    max_single_put_bytes: SizeBytes = pydantic.Field(64 * _MiB, gt=0)
+    read_timeout_seconds: float = pydantic.Field(30.0, gt=0)
     retries: int = pydantic.Field(2, ge=0, le=20)
 
     @pydantic.model_validator(mode="after")
@@ -82,8 +85,9 @@ class AzureBlobAdapter(RemoteAdapter):
         self.config: AzureBlobConfig = config
         # the SDK's own transport: a custom requests session measured 2-3x slower on downloads
         kwargs = {"retry_policy": LinearRetry(backoff=0.2, random_jitter_range=0.1, retry_total=config.retries),
-                  "connection_timeout": config.connect_timeout_s, "read_timeout": config.read_timeout_s,
-                  "max_single_put_size": int(config.max_single_put_mb * _MiB), "max_block_size": 8 * _MiB}
+                  "connection_timeout": config.connect_timeout_seconds,
+                  "read_timeout": config.read_timeout_seconds, "max_single_put_size": config.max_single_put_bytes,
+                  "max_block_size": 8 * _MiB}
         try:
             if conn is not None:
                 service = BlobServiceClient.from_connection_string(conn, **kwargs)

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 
 import pydantic
 
+from kvtier.config import StrictModel
 from kvtier.errors import ConfigError
 
 Buffer = bytes | bytearray | memoryview
 
 
-class AdapterConfig(pydantic.BaseModel):
-    """Fields every adapter accepts. Subclasses add their own; unknown keys are refused."""
+class AdapterConfig(StrictModel):
+    """Fields every adapter accepts. Subclasses add their own; unknown keys and former names are refused."""
 
-    model_config = pydantic.ConfigDict(extra="forbid")
     type: str
     name: str | None = None  # label in metrics and /status; defaults to the type
 
@@ -170,6 +170,8 @@ def _describe(exc: pydantic.ValidationError, model: type[pydantic.BaseModel]) ->
             msgs.append(f"unknown field {field!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
         elif err["type"] == "missing":
             msgs.append(f"missing required field {field!r}")
+        elif not field:  # a check on the whole spec (a renamed key): its message names the keys
+            msgs.append(str(err.get("ctx", {}).get("error") or err["msg"]))
         else:
             msgs.append(f"field {field!r}: {err['msg']}")
     return "; ".join(msgs)

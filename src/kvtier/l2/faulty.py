@@ -27,10 +27,12 @@ ALL_OPS: tuple[str, ...] = ("put", "get", "contains", "delete", "list_names", "c
 class FaultyConfig(AdapterConfig):
     """Rates are probabilities in [0, 1] per call (``error_rate``) or per stored record (torn, corrupt)."""
 
+    renamed_fields = {"latency_ms": "latency_seconds"}
+
     inner: dict  # the wrapped adapter's spec, built with create_adapter
     seed: int = 0
     error_rate: float = Field(0.0, ge=0, le=1)  # raise StorageError instead of doing the operation
-    latency_ms: float = Field(0.0, ge=0)  # sleep before each affected operation
+    latency_seconds: float = Field(0.0, ge=0)  # sleep before each affected operation
     torn_write_rate: float = Field(0.0, ge=0, le=1)  # store only a prefix of the record
     corrupt_rate: float = Field(0.0, ge=0, le=1)  # flip one byte of the stored record
     ops: list[Op] = Field(default_factory=lambda: list(ALL_OPS))  # operations faults apply to
@@ -73,8 +75,8 @@ class FaultyAdapter(L2Adapter):
     def _before(self, op: str) -> None:
         if op not in self._ops:
             return
-        if self.config.latency_ms:
-            time.sleep(self.config.latency_ms / 1000)
+        if self.config.latency_seconds:
+            time.sleep(self.config.latency_seconds)
         with self._rng_lock:
             fail = self._rng.random() < self.config.error_rate
             if fail:

@@ -41,17 +41,19 @@ _MANIFEST_FMT = struct.Struct("<QQQ16s")  # total_bytes, part_bytes, xxh3_64, wr
 class RedisConfig(RemoteConfig):
     """``{"type": "redis", "url": "redis://127.0.0.1:6379/0"}``; ``{"type": "valkey", ...}`` is the same adapter.
 
-    ``cluster`` uses Redis Cluster (the URL names any node). ``ttl_s`` expires records. The URL may carry
+    ``cluster`` uses Redis Cluster (the URL names any node). ``ttl_seconds`` expires records. The URL may carry
     a password; it is a secret and never shown (``password`` is the alternative field).
     """
+
+    renamed_fields = {"ttl_s": "ttl_seconds", "socket_timeout_s": "socket_timeout_seconds"}
 
     url: pydantic.SecretStr
     cluster: bool = False
     password: pydantic.SecretStr | None = None
     tls_ca_file: str | None = None  # CA bundle (PEM) to verify a rediss:// server; default: the system's
-    ttl_s: float | None = pydantic.Field(None, gt=0)
+    ttl_seconds: float | None = pydantic.Field(None, gt=0)
     max_value_bytes: int = pydantic.Field(512 << 20, ge=1024)  # records above this are split into parts
-    socket_timeout_s: float = pydantic.Field(5.0, gt=0)
+    socket_timeout_seconds: float = pydantic.Field(5.0, gt=0)
     retries: int = pydantic.Field(1, ge=0, le=20)  # redis-py retries of one command on connection errors
 
     @pydantic.field_validator("url")
@@ -95,7 +97,7 @@ class RedisAdapter(RemoteAdapter):
         self.config: RedisConfig = config
         self._where = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
-        self._px = int(config.ttl_s * 1000) if config.ttl_s else None
+        self._px = int(config.ttl_seconds * 1000) if config.ttl_seconds else None  # PX takes ms
         self._part_bytes = config.max_value_bytes
         self._start(_transient)
 
@@ -104,7 +106,7 @@ class RedisAdapter(RemoteAdapter):
 
     def _connect(self) -> None:
         cfg = self.config
-        kwargs = {"socket_timeout": cfg.socket_timeout_s, "socket_connect_timeout": cfg.connect_timeout_s,
+        kwargs = {"socket_timeout": cfg.socket_timeout_seconds, "socket_connect_timeout": cfg.connect_timeout_seconds,
                   "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), cfg.retries),
                   "max_connections": cfg.max_connections}
         if cfg.password is not None:

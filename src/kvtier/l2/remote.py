@@ -33,14 +33,14 @@ class Reconnector:
     """
 
     def __init__(self, label: str, connect: Callable[[], None], transient: Callable[[BaseException], bool],
-                 backoff_s: float = 0.5, backoff_max_s: float = 30.0, scrub: Callable[[str], str] = str):
+                 backoff_seconds: float = 0.5, backoff_max_seconds: float = 30.0, scrub: Callable[[str], str] = str):
         self.label = label
         self._connect = connect
         self._transient = transient
         self._scrub = scrub
-        self._backoff_s = backoff_s
-        self._backoff_max_s = backoff_max_s
-        self._delay_s = backoff_s
+        self._backoff_seconds = backoff_seconds
+        self._backoff_max_seconds = backoff_max_seconds
+        self._delay_seconds = backoff_seconds
         self._next_try = 0.0
         self._healthy = False
         self._reason = "not connected yet"
@@ -67,7 +67,7 @@ class Reconnector:
             if self._healthy:
                 log.warning("L2 %s: service unreachable (%s); answering misses and retrying", self.label,
                             self._scrub(describe(exc)))
-                self._delay_s = self._backoff_s
+                self._delay_seconds = self._backoff_seconds
             self._mark_down(describe(exc))
 
     def health(self) -> tuple[bool, str]:
@@ -90,12 +90,12 @@ class Reconnector:
                 if raise_config and not self._transient(exc):
                     raise ConfigError(f"L2 {self.label}: {self._scrub(describe(exc))}") from None
                 self._mark_down(describe(exc))
-                log.warning("L2 %s: cannot connect (%s); retrying in %.1f s", self.label, self._reason, self._delay_s)
+                log.warning("L2 %s: cannot connect (%s); retrying in %.1f s", self.label, self._reason, self._delay_seconds)
                 return False
             if not self._healthy and self.num_attempts > 1:
                 log.info("L2 %s: connected again", self.label)
             self._healthy, self._reason = True, "ok"
-            self._delay_s = self._backoff_s
+            self._delay_seconds = self._backoff_seconds
             return True
         finally:
             self._lock.release()
@@ -103,8 +103,8 @@ class Reconnector:
     def _mark_down(self, reason: str) -> None:
         self._healthy = False
         self._reason = self._scrub(reason)
-        self._next_try = time.monotonic() + self._delay_s
-        self._delay_s = min(self._delay_s * 2, self._backoff_max_s)
+        self._next_try = time.monotonic() + self._delay_seconds
+        self._delay_seconds = min(self._delay_seconds * 2, self._backoff_max_seconds)
 
 
 def describe(exc: BaseException) -> str:
@@ -127,11 +127,14 @@ def scrubber(secrets: Iterable[str | None]) -> Callable[[str], str]:
 class RemoteConfig(AdapterConfig):
     """Fields shared by the network adapters."""
 
+    renamed_fields = {"connect_timeout_s": "connect_timeout_seconds", "retry_backoff_s": "retry_backoff_seconds",
+                      "retry_backoff_max_s": "retry_backoff_max_seconds"}
+
     prefix: str = "kvtier/"
-    connect_timeout_s: float = pydantic.Field(2.0, gt=0)
+    connect_timeout_seconds: float = pydantic.Field(2.0, gt=0)
     max_connections: int = pydantic.Field(16, ge=1, le=1024)  # also the number of requests in flight per batch
-    retry_backoff_s: float = pydantic.Field(0.5, gt=0)  # first wait before reconnecting after a failure
-    retry_backoff_max_s: float = pydantic.Field(30.0, gt=0)  # the backoff doubles up to this
+    retry_backoff_seconds: float = pydantic.Field(0.5, gt=0)  # first wait before reconnecting after a failure
+    retry_backoff_max_seconds: float = pydantic.Field(30.0, gt=0)  # the backoff doubles up to this
 
 
 def join_parts(parts) -> bytes | memoryview:
@@ -166,8 +169,8 @@ class RemoteAdapter(L2Adapter):
     def _start(self, transient: Callable[[BaseException], bool]) -> None:
         """First connect (raises ConfigError); ``transient`` tells an unreachable service from a bad config."""
         cfg = self.config
-        self._link = Reconnector(self.label, self._reconnect, transient, cfg.retry_backoff_s,
-                                 cfg.retry_backoff_max_s, self._scrub)
+        self._link = Reconnector(self.label, self._reconnect, transient, cfg.retry_backoff_seconds,
+                                 cfg.retry_backoff_max_seconds, self._scrub)
         self._link.start()
 
     def _reconnect(self) -> None:

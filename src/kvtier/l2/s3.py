@@ -17,6 +17,7 @@ import botocore.exceptions
 import pydantic
 from boto3.s3.transfer import TransferConfig
 
+from kvtier.config import SizeBytes
 from kvtier.errors import ConfigError
 from kvtier.l2.remote import RemoteAdapter, RemoteConfig, describe, join_parts
 
@@ -31,6 +32,8 @@ class S3Config(RemoteConfig):
     chain (environment, ~/.aws, instance role). ``create`` creates a missing bucket instead of failing.
     """
 
+    renamed_fields = {"multipart_threshold_mb": "multipart_threshold_bytes", "read_timeout_s": "read_timeout_seconds"}
+
     bucket: str = pydantic.Field(min_length=3, max_length=63)
     endpoint_url: str | None = None
     region: str = "us-east-1"
@@ -40,8 +43,8 @@ class S3Config(RemoteConfig):
     # Records at or above this go up as a multipart upload (parts of this size). 64, not boto3's 8: a
     # typical chunk (11.25 MiB for SmolLM2, 256 tokens) then goes up in one PUT, measured 1.5x faster than
     # multipart on moto_server; S3's minimum part size is 5 MiB.
-    multipart_threshold_mb: float = pydantic.Field(64.0, ge=5)
-    read_timeout_s: float = pydantic.Field(30.0, gt=0)
+    multipart_threshold_bytes: SizeBytes = pydantic.Field(64 * _MiB, ge=5 * _MiB)
+    read_timeout_seconds: float = pydantic.Field(30.0, gt=0)
     retries: int = pydantic.Field(2, ge=0, le=20)  # botocore retries of one request (throttling, 5xx)
 
 
@@ -77,10 +80,10 @@ class S3Adapter(RemoteAdapter):
             "s3", endpoint_url=config.endpoint_url, region_name=config.region,
             aws_access_key_id=key_id, aws_secret_access_key=secret,
             config=botocore.config.Config(
-                max_pool_connections=config.max_connections, connect_timeout=config.connect_timeout_s,
-                read_timeout=config.read_timeout_s,
+                max_pool_connections=config.max_connections, connect_timeout=config.connect_timeout_seconds,
+                read_timeout=config.read_timeout_seconds,
                 retries={"max_attempts": config.retries, "mode": "standard"}))
-        threshold = int(config.multipart_threshold_mb * _MiB)
+        threshold = config.multipart_threshold_bytes
         self._transfer = TransferConfig(multipart_threshold=threshold, multipart_chunksize=threshold,
                                         max_concurrency=4)
         self._threshold_bytes = threshold
