@@ -19,20 +19,20 @@ import torch
 
 from kvtier.demo import run_demo
 
-TARGETS = {"warm_ttft_s": 0.2, "cross_process_ttft_s": 0.25}
+TARGETS = {"warm_ttft_seconds": 0.2, "cross_process_ttft_seconds": 0.25}
 
 
 def report(mode: str, result: dict) -> None:
     s = result["summary"]
-    cold = s["cold_ttft_s"]
+    cold = s["cold_ttft_seconds"]
     print(f"== cache mode {mode}: {result['document']}, prompt {s['num_prompt_tokens']} tokens, warm hit "
           f"{s['num_hit_tokens']} tokens, warm answer identical to cold: {s['outputs_identical']}")
     for row in result["rounds"]:
         print(f"  round {row['round']:>2} {row['where']:<19} prompt {row['num_prompt_tokens']:>5} "
-              f"hit {row['num_hit_tokens']:>5}  TTFT {row['ttft_s']:7.3f} s  (lookup {row['lookup_s']:.3f}, "
-              f"retrieve {row['retrieve_s']:.3f}, prefill {row['prefill_s']:.3f})")
+              f"hit {row['num_hit_tokens']:>5}  TTFT {row['ttft_seconds']:7.3f} s  (lookup {row['lookup_seconds']:.3f}, "
+              f"retrieve {row['retrieve_seconds']:.3f}, prefill {row['prefill_seconds']:.3f})")
     print(f"  cold TTFT (baseline)    {cold:7.3f} s")
-    miss_lookup = result["rounds"][0]["lookup_s"]  # round 1 is cold: its lookup finds nothing
+    miss_lookup = result["rounds"][0]["lookup_seconds"]  # round 1 is cold: its lookup finds nothing
     print(f"  lookup with no hit      {miss_lookup * 1e3:7.3f} ms = {miss_lookup / cold * 100:.3f}% of cold TTFT "
           f"(target <= 2%): {'ok' if miss_lookup / cold <= 0.02 else 'MISSED'}")
     for key, target in TARGETS.items():

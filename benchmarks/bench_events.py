@@ -29,7 +29,7 @@ TARGET_EVENTS_PER_S = 100_000
 
 def subscriber_main(endpoint: str, replay: str, num_events: int) -> None:
     """Child process: count events, check event i carries hash i, report JSON on stdout."""
-    sub = Subscriber(endpoint, replay, "kv-events", replay_timeout_s=10)
+    sub = Subscriber(endpoint, replay, "kv-events", replay_timeout_seconds=10)
     print("ready", flush=True)
     expected, in_order, done_at = 0, True, None
     while expected < num_events:

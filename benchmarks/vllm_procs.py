@@ -99,12 +99,12 @@ class VLLMServer:
     ``KVTierServer`` (``kvtier_extra``: more ``kv_connector_extra_config`` keys) or an ``LMCacheServer``.
     ``kv_capacity_tokens`` is what vLLM logged for its KV cache, ``core_ids`` the cores it bound its compute
     threads to (as logged, e.g. ``[0, 1]``; ``?`` when not logged).
-    Raises RuntimeError with the log's tail when vLLM exits or is not ready within ``timeout_s``.
+    Raises RuntimeError with the log's tail when vLLM exits or is not ready within ``timeout_seconds``.
     """
 
     def __init__(self, work: Path, name: str, *, kv_cache_bytes: int, max_model_len: int, reserved_cpu: str,
                  cache: KVTierServer | LMCacheServer | None = None, kvtier_extra: dict | None = None,
-                 timeout_s: float = 600):
+                 timeout_seconds: float = 600):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         lmcache = isinstance(cache, LMCacheServer)
@@ -127,7 +127,7 @@ class VLLMServer:
         self.log_path = work / f"{name}-vllm.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
@@ -139,7 +139,7 @@ class VLLMServer:
             time.sleep(0.5)
         else:
             self.stop()
-            raise RuntimeError(f"vLLM not ready after {timeout_s:.0f} s:\n{self.log_path.read_text()[-4000:]}")
+            raise RuntimeError(f"vLLM not ready after {timeout_seconds:.0f} s:\n{self.log_path.read_text()[-4000:]}")
         log = self.log_path.read_text()
         found = KV_CAPACITY_LINE.search(log)
         if found is None:
@@ -152,9 +152,9 @@ class VLLMServer:
     def metrics(self) -> dict[tuple[str, tuple], float]:
         return scrape(self.base + "/metrics")
 
-    def settled_metrics(self, want_requests: float, timeout_s: float = 20) -> dict[tuple[str, tuple], float]:
-        """/metrics once ``vllm:request_success_total`` has reached ``want_requests`` (or after ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
+    def settled_metrics(self, want_requests: float, timeout_seconds: float = 20) -> dict[tuple[str, tuple], float]:
+        """/metrics once ``vllm:request_success_total`` has reached ``want_requests`` (or after ``timeout_seconds``)."""
+        deadline = time.monotonic() + timeout_seconds
         while True:
             m = self.metrics()
             if total(m, "vllm:request_success_total") >= want_requests or time.monotonic() > deadline:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICES_DIR = Path(os.environ.get("KVTIER_SERVICES_DIR", REPO / ".cache" / "services"))
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_SECONDS = 60.0
 
 
 class ServiceError(RuntimeError):
@@ -112,8 +112,8 @@ class Proc:
         except OSError:
             return ""
 
-    def wait_ready(self, check: Callable[[], bool], timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
+    def wait_ready(self, check: Callable[[], bool], timeout_seconds: float = START_TIMEOUT_SECONDS) -> None:
+        deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             if not self.alive():
                 raise ServiceError(f"{self.name} exited with {self.popen.returncode} while starting; "
@@ -125,19 +125,19 @@ class Proc:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise ServiceError(f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+        raise ServiceError(f"{self.name} not ready after {timeout_seconds:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+    def stop(self, sig: int = signal.SIGTERM, timeout_seconds: float = 15.0) -> None:
         """Signal the server by pid, wait, SIGKILL if needed, and check the pid is gone."""
         if self.popen is None:
             return
         if self.popen.poll() is None:
             os.kill(self.popen.pid, sig)
             try:
-                self.popen.wait(timeout_s)
+                self.popen.wait(timeout_seconds)
             except subprocess.TimeoutExpired:
                 os.kill(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout_s)
+                self.popen.wait(timeout_seconds)
         _LIVE.pop(self.popen.pid, None)
         if self.popen.poll() is None:
             raise ServiceError(f"{self.name} (pid {self.popen.pid}) did not stop")
@@ -147,17 +147,17 @@ class Proc:
 def _kill_leftovers() -> None:
     for proc in list(_LIVE.values()):
         with contextlib.suppress(Exception):
-            proc.stop(signal.SIGKILL, timeout_s=5)
+            proc.stop(signal.SIGKILL, timeout_seconds=5)
 
 
 def _workdir(name: str, root: str | os.PathLike | None) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"kvtier-{name}-", dir=root))
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``predicate`` until it is true; raise ServiceError naming ``what`` after ``timeout_s`` (a hang guard)."""
-    deadline = time.monotonic() + timeout_s
+def wait_for(predicate: Callable[[], bool], timeout_seconds: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; raise ServiceError naming ``what`` after ``timeout_seconds`` (a hang guard)."""
+    deadline = time.monotonic() + timeout_seconds
     while not predicate():
         if time.monotonic() > deadline:
-            raise ServiceError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise ServiceError(f"timed out after {timeout_seconds:.0f} s waiting for {what}")
         time.sleep(0.1)

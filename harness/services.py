@@ -19,7 +19,7 @@ from pathlib import Path
 from harness.service_proc import (  # noqa: F401 - tests and benchmarks use services.<name>
     REPO,
     SERVICES_DIR,
-    START_TIMEOUT_S,
+    START_TIMEOUT_SECONDS,
     Proc,
     ServiceError,
     _workdir,
@@ -269,14 +269,14 @@ class RedisCluster:
                     return self.ports.index(int(primary[1]))
         raise ServiceError(f"no node serves slot {slot}")
 
-    def wait_ok(self, timeout_s: float = START_TIMEOUT_S) -> None:
+    def wait_ok(self, timeout_seconds: float = START_TIMEOUT_SECONDS) -> None:
         """Wait until every live node reports ``cluster_state:ok``."""
         import redis
 
         def ok(port: int) -> bool:
             with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1) as client:
                 return client.cluster("info").get("cluster_state") == "ok"
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             try:
                 if all(ok(p) for p, proc in zip(self.ports, self.procs) if proc.alive()):
@@ -284,7 +284,7 @@ class RedisCluster:
             except Exception:  # noqa: BLE001 - not converged yet
                 pass
             time.sleep(0.2)
-        raise ServiceError(f"Redis Cluster on ports {self.ports} not ok after {timeout_s:.0f} s")
+        raise ServiceError(f"Redis Cluster on ports {self.ports} not ok after {timeout_seconds:.0f} s")
 
     def stop(self) -> None:
         for proc in self.procs:

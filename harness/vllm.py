@@ -56,20 +56,20 @@ def document_tokens(folder: Path) -> list[int]:
     return tok(Path(DOC_FILE).read_text()).input_ids
 
 
-def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM ``proc`` (started by us, stopped by pid), SIGKILL it if it is still running after ``grace_s``."""
+def stop_process(proc: subprocess.Popen, grace_seconds: float) -> None:
+    """SIGTERM ``proc`` (started by us, stopped by pid), SIGKILL it if it is still running after ``grace_seconds``."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(grace_s)
+            proc.wait(grace_seconds)
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
 
 
-def wait_healthy(server, url: str, what: str, timeout_s: float) -> None:
+def wait_healthy(server, url: str, what: str, timeout_seconds: float) -> None:
     """Poll ``url`` until it answers 200 while ``server.proc`` runs; else stop it and raise with its log's tail."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{server.log_path.read_text()[-4000:]}")
@@ -80,7 +80,7 @@ def wait_healthy(server, url: str, what: str, timeout_s: float) -> None:
             pass
         time.sleep(0.1)
     server.stop()
-    raise RuntimeError(f"{what} not healthy after {timeout_s:.0f} s:\n{server.log_path.read_text()[-4000:]}")
+    raise RuntimeError(f"{what} not healthy after {timeout_seconds:.0f} s:\n{server.log_path.read_text()[-4000:]}")
 
 
 class KVTierServer:
@@ -178,7 +178,7 @@ class OpenAIServer:
 def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | None = None, role: str = "kv_both",
              repeat: int = 1, max_tokens: int = 4, prefix_caching: bool = False, expect_fail: bool = False, warmup: bool = False,
              kv_events: str | None = None,
-             timeout_s: float = 900, driver: list[str] | None = None, env_extra: dict | None = None,
+             timeout_seconds: float = 900, driver: list[str] | None = None, env_extra: dict | None = None,
              model: Path | None = None) -> dict:
     """Run ``examples/vllm/offline.py`` in the vLLM environment. Returns its JSON plus ``log`` (stdout+stderr).
 
@@ -202,7 +202,7 @@ def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | 
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the same CPU binding with and without a connector
     env.update(env_extra or {})
     with open(log_path, "w") as log:
-        proc = subprocess.run(argv, check=False, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, cwd=REPO)
+        proc = subprocess.run(argv, check=False, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_seconds, cwd=REPO)
     text = log_path.read_text()
     if expect_fail:
         assert proc.returncode != 0, f"{name}: vLLM started although it should have refused the config:\n{text[-3000:]}"

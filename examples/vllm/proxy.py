@@ -26,8 +26,8 @@ from starlette.routing import Route
 log = logging.getLogger("kvtier.proxy")
 
 
-def make_app(prefill_url: str, decode_url: str, timeout_s: float = 600.0) -> Starlette:
-    client = httpx.AsyncClient(timeout=timeout_s)
+def make_app(prefill_url: str, decode_url: str, timeout_seconds: float = 600.0) -> Starlette:
+    client = httpx.AsyncClient(timeout=timeout_seconds)
 
     async def forward(request: Request) -> Response:
         body = await request.json()

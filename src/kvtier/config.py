@@ -193,6 +193,8 @@ class ConnectorConfig(_Section):
     in-process cache. The engine's block size, hash algorithm and seed always come from the engine.
     """
 
+    renamed_fields = {"timeout_s": "timeout_seconds"}
+
     server_url: str | None = None  # tcp://host:port of `kvtier server`; None: an in-process cache
     local_disk: str | None = None  # in-process only: folder of a local_disk L2 the engine's processes share
     model: str | None = None  # model id in chunk keys (default: the weights' identity); change it with the weights

@@ -179,8 +179,8 @@ def answer(connector, tokenizer, document: str, question: str, max_new_tokens: i
     output, stats = connector.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
     new_ids = output[0, len(prompt):].tolist()
     return {"question": question, "num_prompt_tokens": stats["num_prompt_tokens"],
-            "num_hit_tokens": stats["num_hit_tokens"], "ttft_s": stats["ttft_s"],
-            **{k: stats[k] for k in ("lookup_s", "retrieve_s", "prefill_s", "store_s")},
+            "num_hit_tokens": stats["num_hit_tokens"], "ttft_seconds": stats["ttft_seconds"],
+            **{k: stats[k] for k in ("lookup_seconds", "retrieve_seconds", "prefill_seconds", "store_seconds")},
             "answer_ids": new_ids, "answer": tokenizer.decode(new_ids, skip_special_tokens=True).strip()}
 
 
@@ -269,9 +269,9 @@ def run_demo(opts: dict, log=lambda msg: None) -> dict:
         rounds.append(child)
     cold, warm = rounds[0], rounds[1:-1]
     summary = {
-        "cold_ttft_s": cold["ttft_s"],
-        "warm_ttft_s": statistics.median(r["ttft_s"] for r in warm),
-        "cross_process_ttft_s": child["ttft_s"],
+        "cold_ttft_seconds": cold["ttft_seconds"],
+        "warm_ttft_seconds": statistics.median(r["ttft_seconds"] for r in warm),
+        "cross_process_ttft_seconds": child["ttft_seconds"],
         "num_prompt_tokens": cold["num_prompt_tokens"],
         "num_hit_tokens": warm[0]["num_hit_tokens"],
         "outputs_identical": warm[0]["answer_ids"] == cold["answer_ids"],
@@ -294,12 +294,12 @@ def print_table(result: dict) -> None:
     for r in result["rounds"]:
         text = r["answer"] if len(r["answer"]) <= 120 else r["answer"][:119] + "…"
         cells = [r["round"], r["where"], str(r["num_prompt_tokens"]), str(r["num_hit_tokens"]),
-                 f"{r['ttft_s']:.3f}", text]
+                 f"{r['ttft_seconds']:.3f}", text]
         table.add_row(*cells, *([r.get("events", "")] if show_events else []))
     console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe or log gets whole answers
     console.print(table)
     s = result["summary"]
-    cold, warm, cross = s["cold_ttft_s"], s["warm_ttft_s"], s["cross_process_ttft_s"]
+    cold, warm, cross = s["cold_ttft_seconds"], s["warm_ttft_seconds"], s["cross_process_ttft_seconds"]
     console.print(f"TTFT: cold {cold:.2f} s; warm {warm:.2f} s (median, speedup {cold / warm:.1f}x); "
                   f"second process {cross:.2f} s (speedup {cold / cross:.1f}x). "
                   f"Warm answer identical to cold: {s['outputs_identical']}")
@@ -339,7 +339,7 @@ def _run_child_round(opts: dict) -> None:
                    "'off': in-process cache (the second process reuses the local disk tier); or the URL of a "
                    "running server, e.g. tcp://127.0.0.1:5555 (its whole cache is cleared at start).")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print only a JSON summary: cold_ttft_s, warm_ttft_s, cross_process_ttft_s, num_prompt_tokens, "
+              help="Print only a JSON summary: cold_ttft_seconds, warm_ttft_seconds, cross_process_ttft_seconds, num_prompt_tokens, "
                    "num_hit_tokens, outputs_identical.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,

@@ -11,7 +11,7 @@ import pytest
 from kvtier.demo import find_document
 from kvtier.errors import KVTierError
 
-FIELDS = ("cold_ttft_s", "warm_ttft_s", "cross_process_ttft_s", "num_prompt_tokens", "num_hit_tokens",
+FIELDS = ("cold_ttft_seconds", "warm_ttft_seconds", "cross_process_ttft_seconds", "num_prompt_tokens", "num_hit_tokens",
           "outputs_identical")
 
 
@@ -27,7 +27,7 @@ def test_demo_json_reuses_the_document_in_process_and_across_processes():
     # every full chunk of the shared document prefix is reused (chunk size 256)
     assert 0 < summary["num_hit_tokens"] <= summary["num_prompt_tokens"] - 1
     assert summary["num_hit_tokens"] % 256 == 0 and summary["num_hit_tokens"] >= summary["num_prompt_tokens"] - 256
-    for key in ("cold_ttft_s", "warm_ttft_s", "cross_process_ttft_s"):
+    for key in ("cold_ttft_seconds", "warm_ttft_seconds", "cross_process_ttft_seconds"):
         assert isinstance(summary[key], float) and summary[key] > 0
 
 

@@ -39,8 +39,8 @@ EXAMPLES = REPO / "examples" / "dynamo"
 BLOCK = 128  # vLLM CPU's block size (the scripts' BLOCK_SIZE)
 CHUNK = 256  # the scripts' CHUNK_SIZE
 NUM_TOKENS = 512  # the prompt: 4 vLLM blocks, 2 kvtier chunks
-START_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 60.0  # the scripts SIGKILL what is left 30 s after SIGTERM
+START_TIMEOUT_SECONDS = 300.0
+STOP_TIMEOUT_SECONDS = 60.0  # the scripts SIGKILL what is left 30 s after SIGTERM
 REFERENCE: dict[str, str] = {}  # agg's cold output (one instance, no kvtier data): disagg must match it
 
 
@@ -64,12 +64,12 @@ class Script:
                                           env=env, cwd=REPO, start_new_session=True)
 
     def wait_serving(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while "serving on" not in self.log_path.read_text():
             if self.popen.poll() is not None:
                 raise AssertionError(f"the script exited with {self.popen.returncode}:\n{log_tail(self.log_dir)}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"no 'serving on' in {START_TIMEOUT_S:.0f} s:\n{log_tail(self.log_dir)}")
+                raise AssertionError(f"no 'serving on' in {START_TIMEOUT_SECONDS:.0f} s:\n{log_tail(self.log_dir)}")
             time.sleep(1)
 
     def check(self, *extra: str) -> dict:
@@ -99,7 +99,7 @@ class Script:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
         try:
-            self.popen.wait(STOP_TIMEOUT_S)
+            self.popen.wait(STOP_TIMEOUT_SECONDS)
         except subprocess.TimeoutExpired:
             pass
         deadline = time.monotonic() + 10

@@ -35,7 +35,7 @@ CHUNK = 256
 PROMPT = [100 + (i * 7919) % 40_000 for i in range(2 * CHUNK)]  # two chunks of SmolLM2 token ids
 OTHER = [100 + (i * 104_729) % 40_000 for i in range(2 * CHUNK)]  # nobody stores this one
 LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"}
-WAIT_S = 20.0
+WAIT_SECONDS = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +62,14 @@ def deployment(tmp_path_factory):
 
 
 def until(probe: RouterProbe, tokens: list[int], done, what: str) -> dict:
-    """Query the router until ``done(answer)`` holds (events travel asynchronously); fail after WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
+    """Query the router until ``done(answer)`` holds (events travel asynchronously); fail after WAIT_SECONDS."""
+    deadline = time.monotonic() + WAIT_SECONDS
     while True:
         answer = probe.query(tokens)
         if done(answer):
             return answer
         if time.monotonic() > deadline:
-            raise AssertionError(f"the router never saw {what} within {WAIT_S:.0f} s; last answer: {answer}")
+            raise AssertionError(f"the router never saw {what} within {WAIT_SECONDS:.0f} s; last answer: {answer}")
         time.sleep(0.2)
 
 

@@ -33,7 +33,7 @@ from support.server import wait_for  # noqa: E402
 pytestmark = pytest.mark.model
 
 KV_TOKENS = 3072  # vLLM's KV cache per worker
-WAIT_S = 60.0  # for the kvtier servers' metrics
+WAIT_SECONDS = 60.0  # for the kvtier servers' metrics
 
 
 def prompt(rng: random.Random, num_tokens: int) -> list[int]:
@@ -105,7 +105,7 @@ def test_shared_l2_record_of_a_is_loaded_by_b_on_the_first_request(nodes):
     l2_writes = lambda: deployment.kvtier_metric("a", "kvtier_l2_writes_total", adapter="redis")  # noqa: E731
     written = l2_writes()
     deployment.complete(shared, node="a")
-    wait_for(lambda: l2_writes() >= written + 4, WAIT_S, "A's server writing the context's 4 chunks to the shared L2")
+    wait_for(lambda: l2_writes() >= written + 4, WAIT_SECONDS, "A's server writing the context's 4 chunks to the shared L2")
     assert probe.query(shared)["workers"][b]["host"] == 0
     hits_before = deployment.kvtier_metric("b", "kvtier_l2_promoted_chunks_total")
     on_b = deployment.complete(shared, node="b")

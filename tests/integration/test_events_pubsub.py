@@ -30,8 +30,8 @@ def config(**kw) -> KVEventsConfig:
     return KVEventsConfig(**base)
 
 
-def wait_for(pred, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
+def wait_for(pred, timeout_seconds=10.0):
+    deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
         if pred():
             return True
@@ -278,7 +278,7 @@ def test_cli_subscribe_prints_the_seed_form_and_json(pub):
     ev = BlockStored([11, 12], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "CPU", None)
     for flags in ([], ["--json"]):
         cmd = [sys.executable, "-m", "kvtier", "events", "subscribe", "--endpoint", pub.endpoint,
-               "--topic", "kv-events", "--max-batches", "1", "--timeout", "30", *flags]
+               "--topic", "kv-events", "--max-batches", "1", "--timeout-seconds", "30", *flags]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:

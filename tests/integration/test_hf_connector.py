@@ -102,7 +102,7 @@ def test_greedy_output_identical_cold_and_warm(tiny):
     assert torch.equal(cold, reference) and torch.equal(warm, reference)
     assert cold_stats["num_hit_tokens"] == 0 and warm_stats["num_hit_tokens"] == 48
     assert warm_stats["num_new_tokens"] == reference.shape[1] - 53
-    for key in ("ttft_s", "retrieve_s", "store_s", "num_prompt_tokens", "decode_s"):
+    for key in ("ttft_seconds", "retrieve_seconds", "store_seconds", "num_prompt_tokens", "decode_seconds"):
         assert key in warm_stats
 
 

@@ -60,7 +60,7 @@ def check_misses_while_down(adapter) -> str:
     assert adapter.get([name]) == [None] and adapter.contains([name]) == [False]
     assert adapter.list_names() == [] and adapter.delete([name]) == 0
     services.wait_for(lambda: not adapter.health()[0] and adapter._link.num_attempts >= 4, 30, "retries")
-    assert adapter._link._delay_s == 0.5
+    assert adapter._link._delay_seconds == 0.5
     return reason
 
 

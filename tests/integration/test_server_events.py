@@ -27,7 +27,7 @@ def test_server_publishes_events_a_router_can_index(tmp_path):
         index, stored = BlockIndex(), []
         while not (index.contains(event_id(prefix_hashes(tokens, 8)[-1]), "STORAGE")
                    and index.contains(event_id(prefix_hashes(tokens, 8)[-1]), "CPU")):
-            got = sub.recv(timeout_s=10)
+            got = sub.recv(timeout_seconds=10)
             assert got is not None, "no event batch within 10 s"
             index.apply(got[1])
             stored += [e for e in got[1].events if isinstance(e, BlockStored)]
@@ -45,7 +45,7 @@ def test_cli_subscriber_prints_the_seed_format(tmp_path):
     with ServerProc(tmp_path, extra=extra) as server:
         cli = subprocess.Popen([sys.executable, "-m", "kvtier", "events", "subscribe", "--endpoint",
                                 f"tcp://127.0.0.1:{pub}", "--topic", "kv-events", "--max-batches", "1",
-                                "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--timeout-seconds", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         client = Client(server.url, model="m", layout=LAYOUT)
         tokens = list(range(CHUNK))
         # PUB/SUB joins asynchronously: keep storing new prompts until the subscriber has its batch

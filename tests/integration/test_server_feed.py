@@ -137,7 +137,7 @@ def test_the_engines_clear_is_answered_by_a_reannouncement(tmp_path):
 
 def test_a_server_down_at_start_is_caught_up_and_a_restart_removes_what_it_lost(tmp_path):
     port, events = free_port(), (free_port(), free_port())
-    feed = open_feed(port, events, replay_timeout_s=0.5)  # no server yet
+    feed = open_feed(port, events, replay_timeout_seconds=0.5)  # no server yet
     server = None
     try:
         server, _ = start_server(tmp_path, port=port, events=events)

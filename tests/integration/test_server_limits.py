@@ -36,8 +36,8 @@ class Raw:
         msg.id = next(self.ids)
         self.sock.send(P.encode(msg))
 
-    def recv(self, timeout_ms: int = 30_000):
-        assert self.sock.poll(timeout_ms), "no reply"
+    def recv(self, timeout_seconds: float = 30.0):
+        assert self.sock.poll(timeout_seconds * 1000), "no reply"
         return P.decode_reply(self.sock.recv_multipart()[0])
 
     def ask(self, msg):

@@ -83,7 +83,7 @@ def serves_a_real_client(server: ServerProc, config: dict, seed: int, secret_fil
         out, n = client.retrieve(tokens)
         assert n == 2 * CHUNK and torch.equal(out, kv)
     with Subscriber(cfg["endpoint"], cfg["replay_endpoint"], start_seq=0, secret_file=secret_file) as sub:
-        batches = list(sub.iter(timeout_s=3.0))
+        batches = list(sub.iter(timeout_seconds=3.0))
     assert batches and batches[0][0] == 0 and sub.stats.replayed >= 1  # seq 0 came from the replay port
     assert server.proc.poll() is None
 

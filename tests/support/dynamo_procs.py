@@ -105,7 +105,7 @@ class Deployment:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            proc.stop(timeout_s=20)
+            proc.stop(timeout_seconds=20)
 
 
 def start_kvtier_server(work: Path, chunk_size: int, block_size: int, *, replay: bool = False
@@ -165,16 +165,16 @@ class RouterProbe:
             raise RuntimeError(f"the router probe exited:\n{self.log_path.read_text()[-3000:]}")
         return json.loads(line)
 
-    def until(self, tokens: list[int], done, what: str, poke=None, wait_s: float = 60.0) -> dict:
+    def until(self, tokens: list[int], done, what: str, poke=None, wait_seconds: float = 60.0) -> dict:
         """``query(tokens)`` until ``done(view)``, calling ``poke()`` between tries (an engine step publishes the
-        events vLLM queued); returns that view. Raises AssertionError with the last view after ``wait_s``."""
-        deadline = time.monotonic() + wait_s
+        events vLLM queued); returns that view. Raises AssertionError with the last view after ``wait_seconds``."""
+        deadline = time.monotonic() + wait_seconds
         while True:
             view = self.query(tokens)
             if done(view):
                 return view
             if time.monotonic() > deadline:
-                raise AssertionError(f"the router never saw {what} within {wait_s:.0f} s; last view: {view}")
+                raise AssertionError(f"the router never saw {what} within {wait_seconds:.0f} s; last view: {view}")
             if poke is not None:
                 poke()
             time.sleep(0.5)

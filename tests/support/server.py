@@ -60,8 +60,8 @@ class ServerProc:
         self.proc = subprocess.Popen(kvtier_cmd(*args), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.wait_healthy()
 
-    def wait_healthy(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
+    def wait_healthy(self, timeout_seconds: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
@@ -71,7 +71,7 @@ class ServerProc:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+        raise RuntimeError(f"server not healthy after {timeout_seconds} s:\n{self.log()}")
 
     def log(self) -> str:
         if not self._log.closed:
@@ -103,9 +103,9 @@ class ServerProc:
         self.stop()
 
 
-def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
+def wait_for(predicate, timeout_seconds: float = 30.0, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value (bounded; raises AssertionError with ``what``)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline:
         value = predicate()
         if value:

@@ -147,9 +147,9 @@ class HFConnector:
             ``(logits_last, past_key_values, stats)``: ``logits_last`` ``[1, vocab_size]`` (model dtype) for
             the last prompt token; ``past_key_values`` a ``DynamicCache`` holding all T tokens (continue
             decoding from it); ``stats`` a dict: ``num_prompt_tokens``, ``num_hit_tokens`` (tokens whose KV
-            was reused, at most T - 1), ``num_computed_tokens``, ``num_stored_chunks``, and seconds
-            ``lookup_s``, ``retrieve_s``, ``prefill_s``, ``store_s``, ``ttft_s`` (call to logits ready; the
-            store runs after that and is not part of it).
+            was reused, at most T - 1), ``num_computed_tokens``, ``num_stored_chunks``, and
+            ``lookup_seconds``, ``retrieve_seconds``, ``prefill_seconds``, ``store_seconds``, ``ttft_seconds``
+            (call to logits ready; the store runs after that and is not part of it).
 
         Mutates: the cache (new chunks stored).
 
@@ -186,11 +186,11 @@ class HFConnector:
             "num_hit_tokens": num_hit,
             "num_computed_tokens": num_prompt - num_hit,
             "num_stored_chunks": num_stored,
-            "lookup_s": looked - started,
-            "retrieve_s": retrieved - looked,
-            "prefill_s": ready - retrieved,
-            "store_s": stored - ready,
-            "ttft_s": ready - started,
+            "lookup_seconds": looked - started,
+            "retrieve_seconds": retrieved - looked,
+            "prefill_seconds": ready - retrieved,
+            "store_seconds": stored - ready,
+            "ttft_seconds": ready - started,
         }
         return logits_last, out.past_key_values, stats
 
@@ -231,7 +231,7 @@ class HFConnector:
 
         Returns:
             ``(output_ids, stats)``: ``output_ids`` ``[1, T + num_new]`` long (prompt then new tokens, like
-            ``model.generate``); ``stats`` = ``prefill``'s stats plus ``num_new_tokens`` and ``decode_s``.
+            ``model.generate``); ``stats`` = ``prefill``'s stats plus ``num_new_tokens`` and ``decode_seconds``.
 
         Raises:
             InputError: bad token ids or ``max_new_tokens`` < 1.
@@ -252,5 +252,5 @@ class HFConnector:
             past = out.past_key_values
             new.append(int(out.logits[0, -1].argmax(-1)))
         stats["num_new_tokens"] = len(new)
-        stats["decode_s"] = time.perf_counter() - started
+        stats["decode_seconds"] = time.perf_counter() - started
         return torch.cat([ids, torch.tensor([new])], dim=1), stats

@@ -176,7 +176,7 @@ class ServerFeed:
             re-announces only on ``reannounce()``.
         secret_file: the server's secret file, for a replay port that requires authentication; read once it
             exists (a server started after the feed creates it).
-        replay_timeout_s: longest wait for one replay answer.
+        replay_timeout_seconds: longest wait for one replay answer.
         flush: ``flush(events) -> bool`` publishes events the engine has not taken within ``idle_flush_seconds``
             (False: it cannot, the events stay queued for the engine); None: only the engine publishes.
 
@@ -185,7 +185,7 @@ class ServerFeed:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, block_size: int, *,
                  engine_endpoint: str | None = None, secret_file: str | None = None,
-                 replay_timeout_s: float = 2.0, flush=None, idle_flush_seconds: float = 0.5) -> None:
+                 replay_timeout_seconds: float = 2.0, flush=None, idle_flush_seconds: float = 0.5) -> None:
         self.mirror = BlockMirror(block_size)
         self._lock = threading.Lock()
         self._pending: list[Event] = []
@@ -198,7 +198,7 @@ class ServerFeed:
                       "idle_flushes": 0}
         self._secret_file = secret_file if secret_file and not os.path.exists(secret_file) else None
         self._sub = Subscriber(endpoint, replay_endpoint, start_seq=0 if replay_endpoint else None,
-                               replay_timeout_s=replay_timeout_s,
+                               replay_timeout_seconds=replay_timeout_seconds,
                                secret_file=secret_file if secret_file and self._secret_file is None else None)
         self._engine = Subscriber(engine_endpoint) if engine_endpoint else None
         self._thread = threading.Thread(target=self._run, name="kvtier-server-feed", daemon=True)
@@ -214,7 +214,7 @@ class ServerFeed:
                 if self._secret_file is not None and os.path.exists(self._secret_file):
                     path, self._secret_file = self._secret_file, None  # tried once: a bad file is one error
                     self._sub.use_secret_file(path)
-                got = self._sub.recv(timeout_s=0.1)
+                got = self._sub.recv(timeout_seconds=0.1)
                 if got is not None:
                     with self._lock:
                         if self._sub.stats.restarts != restarts:  # a new server: the old one's blocks are gone
@@ -223,7 +223,7 @@ class ServerFeed:
                             self._queue(self.mirror.forget())
                         self.stats["server_batches"] += 1
                         self._queue(self.mirror.apply(got[1].events))
-                while self._engine is not None and (batch := self._engine.recv(timeout_s=0)) is not None:
+                while self._engine is not None and (batch := self._engine.recv(timeout_seconds=0)) is not None:
                     self.stats["engine_batches"] += 1
                     if any(isinstance(ev, AllBlocksCleared) for ev in batch[1].events):
                         self._on_engine_clear()

@@ -59,13 +59,13 @@ def events() -> None:
 @click.option("--topic", default="", help="only this topic (default: every topic)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per batch")
 @click.option("--max-batches", type=click.IntRange(min=1), default=None, help="exit after N batches")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=None,
+@click.option("--timeout-seconds", "timeout_seconds", type=click.FloatRange(min=0), default=None,
               help="exit after S seconds without a batch")
 @click.option("--from-seq", type=click.IntRange(min=0), default=None,
               help="first replay every buffered batch from this seq (needs --replay-endpoint)")
 @click.option("--auth-secret-file", default=None, envvar="KVTIER_AUTH_SECRET_FILE",
               help="the kvtier server's secret file, for a replay port that requires authentication")
-def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_s, from_seq, auth_secret_file) -> None:
+def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_seconds, from_seq, auth_secret_file) -> None:
     """Print event batches as they arrive; missed batches are replayed, lost ones reported on stderr."""
     from kvtier.events.subscriber import Subscriber
 
@@ -76,7 +76,7 @@ def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_s,
     with Subscriber(endpoint, replay_endpoint, topic, start_seq=from_seq, on_gap=on_gap,
                     secret_file=auth_secret_file) as sub:
         try:
-            for seq, batch in sub.iter(timeout_s):
+            for seq, batch in sub.iter(timeout_seconds):
                 click.echo(batch_json(seq, batch) if as_json else format_batch(batch))
                 sys.stdout.flush()
                 count += 1

@@ -69,7 +69,7 @@ class Subscriber:
         topic: frame-0 topic to accept ("" accepts every topic).
         start_seq: replay from this seq first (a late subscriber catching up); None starts with live traffic.
         on_gap: called with each ``Gap``; default logs a warning.
-        replay_timeout_s: how long one replay request may take before its range is reported as a gap.
+        replay_timeout_seconds: how long one replay request may take before its range is reported as a gap.
         raw_hashes: keep hashes as sent instead of normalising to uint64 ints.
         secret_file: the kvtier server's secret file (or a tenant credential file), for a replay port that
             requires authentication (``kv_events.replay_auth``); None replays without it.
@@ -81,12 +81,12 @@ class Subscriber:
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", *,
-                 start_seq: int | None = None, on_gap=None, replay_timeout_s: float = 2.0,
+                 start_seq: int | None = None, on_gap=None, replay_timeout_seconds: float = 2.0,
                  raw_hashes: bool = False, bind: bool = False, secret_file: str | None = None) -> None:
         self.topic = topic.encode()
         self.replay_endpoint = replay_endpoint
         self.on_gap = on_gap or _default_on_gap
-        self.replay_timeout_s = replay_timeout_s
+        self.replay_timeout_seconds = replay_timeout_seconds
         self.raw_hashes = raw_hashes
         self._creds = read_credentials(secret_file) if secret_file else None
         self.stats = SubscriberStats()
@@ -126,22 +126,22 @@ class Subscriber:
         self._drop += num_frames
 
     # ------------------------------------------------------------------ receiving
-    def recv(self, timeout_s: float | None = None) -> tuple[int, EventBatch] | None:
-        """Next batch in order, or None when nothing arrived within ``timeout_s`` (None: wait forever)."""
+    def recv(self, timeout_seconds: float | None = None) -> tuple[int, EventBatch] | None:
+        """Next batch in order, or None when nothing arrived within ``timeout_seconds`` (None: wait forever)."""
         if self._start_seq is not None:
             start, self._start_seq = self._start_seq, None
             self._recover(start, None)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         while not self._ready:
-            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sub.poll(wait_ms):
+            wait_milliseconds = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sub.poll(wait_milliseconds):
                 return None
             self._on_live(self._sub.recv_multipart())
         return self._ready.popleft()
 
-    def iter(self, timeout_s: float | None = None):
-        """Yield ``(seq, EventBatch)`` until ``timeout_s`` passes without a batch (None: forever)."""
-        while (item := self.recv(timeout_s)) is not None:
+    def iter(self, timeout_seconds: float | None = None):
+        """Yield ``(seq, EventBatch)`` until ``timeout_seconds`` passes without a batch (None: forever)."""
+        while (item := self.recv(timeout_seconds)) is not None:
             yield item
 
     __iter__ = iter
@@ -207,10 +207,10 @@ class Subscriber:
             self._open_dealer()
         self._dealer.send_multipart((b"", first.to_bytes(8, "big")))
         got: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + self.replay_timeout_s
+        deadline = time.monotonic() + self.replay_timeout_seconds
         while True:
-            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._dealer.poll(wait_ms):
+            wait_milliseconds = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._dealer.poll(wait_milliseconds):
                 self._dealer.close()  # late replies must not answer the next request
                 self._dealer = None
                 return None
@@ -242,10 +242,10 @@ class Subscriber:
         got = self._replay(first, last)
         if got is None:
             if last is not None:
-                self._gap(first, last, f"replay did not answer within {self.replay_timeout_s} s")
+                self._gap(first, last, f"replay did not answer within {self.replay_timeout_seconds} s")
             else:  # the publisher is not up yet: the first live batch asks for seqs from ``first`` again
                 log.warning("KV events: replay %s did not answer within %s s; catching up from seq %d once the "
-                            "publisher is back", self.replay_endpoint, self.replay_timeout_s, first)
+                            "publisher is back", self.replay_endpoint, self.replay_timeout_seconds, first)
                 if self._last is None:
                     self._last = first - 1
             return

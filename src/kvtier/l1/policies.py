@@ -243,11 +243,11 @@ class S3FIFO(_Policy):
         skipped_small: set[Hashable] = set()
         skipped_main: set[Hashable] = set()
         while True:
-            avail_s = len(self.small) - len(skipped_small)
-            avail_m = len(self.main) - len(skipped_main)
-            if avail_s <= 0 and avail_m <= 0:
+            avail_small = len(self.small) - len(skipped_small)
+            avail_main = len(self.main) - len(skipped_main)
+            if avail_small <= 0 and avail_main <= 0:
                 return
-            if avail_s > 0 and (len(self.small) >= self._small_target() or avail_m <= 0):
+            if avail_small > 0 and (len(self.small) >= self._small_target() or avail_main <= 0):
                 key = _head(self.small)  # skipped keys are rotated behind all unskipped ones
                 if self.small[key] > 0 and key not in skipped_small:
                     del self.small[key]

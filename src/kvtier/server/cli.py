@@ -147,7 +147,7 @@ def run(config, log_level: str = "INFO") -> None:
 
 @click.command()
 @click.option("--admin-url", default="http://127.0.0.1:8080", show_default=True, help="The server's admin HTTP.")
-@click.option("--timeout", "timeout_seconds", type=float, default=5.0, show_default=True, help="Seconds to wait.")
+@click.option("--timeout-seconds", "timeout_seconds", type=float, default=5.0, show_default=True, help="Seconds to wait.")
 def status(admin_url: str, timeout_seconds: float) -> None:
     """Print a running server's /status (JSON)."""
     url = admin_url.rstrip("/") + "/status"

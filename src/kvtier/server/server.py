@@ -141,10 +141,10 @@ class KVTierServer:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.promoter.fileno(), zmq.POLLIN)
         srv = self.config.server
-        tick_ms = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
+        tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
         while not self.stopping.is_set():
             self.heartbeat = time.monotonic()
-            if poller.poll(tick_ms):
+            if poller.poll(tick_milliseconds):
                 for _ in range(MAX_BATCH):
                     try:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
