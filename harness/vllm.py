@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from harness import kvtier_server
+from harness.kvtier_server import stop_process, wait_healthy
 from harness.service_proc import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,72 +56,12 @@ def document_tokens(folder: Path) -> list[int]:
     return tok(Path(DOC_FILE).read_text()).input_ids
 
 
-def stop_process(proc: subprocess.Popen, grace_seconds: float) -> None:
-    """SIGTERM ``proc`` (started by us, stopped by pid), SIGKILL it if it is still running after ``grace_seconds``."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_seconds)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+class KVTierServer(kvtier_server.KVTierServer):
+    """``harness.kvtier_server.KVTierServer`` hashing per vLLM CPU's block size (128) by default: the connector
+    refuses a server that hashes otherwise."""
 
-
-def wait_healthy(server, url: str, what: str, timeout_seconds: float) -> None:
-    """Poll ``url`` until it answers 200 while ``server.proc`` runs; else stop it and raise with its log's tail."""
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {server.proc.returncode}:\n{server.log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    server.stop()
-    raise RuntimeError(f"{what} not healthy after {timeout_seconds:.0f} s:\n{server.log_path.read_text()[-4000:]}")
-
-
-class KVTierServer:
-    """A ``kvtier server`` subprocess with ``chunk_size`` tokens per chunk, hashing per ``block_size`` (vLLM CPU's
-    block size: the connector refuses a server that hashes otherwise), on free 127.0.0.1 ports (or ``port`` and
-    ``admin_port``, to restart a server where its clients expect it). ``l2``: an L2 adapter spec; ``token``: the
-    admin token (for ``clear_l1``)."""
-
-    def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB", block_size: int = 128, *,
-                 port: int | None = None, admin_port: int | None = None, l2: dict | None = None,
-                 token: str | None = None):
-        self.port, self.admin_port = port or free_port(), admin_port or free_port()
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        self.admin = f"http://127.0.0.1:{self.admin_port}"
-        self.token = token
-        self.log_path = log_dir / f"kvtier-server-{self.port}-{time.monotonic_ns()}.log"
-        argv = [sys.executable, "-m", "kvtier", "server", "--port", str(self.port), "--admin-port",
-                str(self.admin_port), "--l1-size-gb", l1, "--eviction-policy", "LRU", "--chunk-size", str(chunk_size),
-                "--block-size", str(block_size)]
-        if l2 is not None:
-            argv += ["--l2-adapter", json.dumps(l2)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        if token:
-            env["KVTIER_ADMIN_TOKEN"] = token
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        wait_healthy(self, f"{self.admin}/healthz", "kvtier server", 60)
-
-    def stats(self) -> dict:
-        return httpx.get(f"{self.admin}/status", timeout=10).json()
-
-    def metrics_text(self) -> str:
-        return httpx.get(f"{self.admin}/metrics", timeout=10).text
-
-    def clear_l1(self) -> None:
-        resp = httpx.post(f"{self.admin}/clear", json={"medium": "CPU"}, timeout=30,
-                          headers={"Authorization": f"Bearer {self.token}"})
-        resp.raise_for_status()
-
-    def stop(self) -> None:
-        stop_process(self.proc, 30)
+    def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB", block_size: int = 128, **kwargs):
+        super().__init__(log_dir, chunk_size, l1, block_size, **kwargs)
 
 
 class OpenAIServer:

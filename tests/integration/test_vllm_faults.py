@@ -20,8 +20,9 @@ import time
 
 import pytest
 from support.server import wait_for
+from harness.metrics import metric_sum
 from harness.vllm import KVTierServer, OpenAIServer, document_tokens, model_dir
-from test_vllm_support import assert_same_reply, cached_tokens, metric_sum
+from test_vllm_support import assert_same_reply, cached_tokens
 
 pytestmark = pytest.mark.model
 LOAD_TIMEOUT = 2.0  # kvtier.load_timeout_seconds

@@ -15,8 +15,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_vllm_support import assert_same_output, by_prompt, metric_sum
+from test_vllm_support import assert_same_output, by_prompt
 
+from harness.metrics import metric_sum
 from harness.vllm import KVTierServer, document_tokens, gemma3_dir, run_vllm
 
 pytestmark = pytest.mark.model

@@ -5,8 +5,9 @@ server, SmolLM2 fp32, vLLM's own prefix cache off, a real kvtier server). Prompt
 from __future__ import annotations
 
 import pytest
+from harness.metrics import metric_sum
 from harness.vllm import KVTierServer, OpenAIServer, document_tokens, model_dir
-from test_vllm_support import assert_same_reply, cached_tokens, metric_sum
+from test_vllm_support import assert_same_reply, cached_tokens
 
 pytestmark = pytest.mark.model
 

@@ -30,19 +30,3 @@ def assert_same_output(got: dict, want: dict, label: str, num_steps: int = 4) ->
         assert set(g) == set(w), f"{label}: step {step} top token ids {sorted(g)} != {sorted(w)}"
         for tok, value in w.items():
             assert abs(g[tok] - value) <= TOLERANCE, f"{label}: step {step} token {tok}: {g[tok]} vs {value}"
-
-
-def metric_sum(text: str, name: str, **labels) -> float:
-    """Sum of the Prometheus series ``name`` in exposition ``text`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        metric, _, label_text = series.partition("{")
-        if metric != name:
-            continue
-        found = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if part) if label_text else {}
-        if all(found.get(k, "").strip('"') == str(v) for k, v in labels.items()):
-            total += float(value)
-    return total
