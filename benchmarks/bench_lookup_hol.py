@@ -20,31 +20,26 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import multiprocessing as mp
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-import httpx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
+
+from harness.kvtier_server import KVTierServer  # noqa: E402 (after the sys.path line above)
+from harness.metrics import metric_sum  # noqa: E402
 from kvtier.client import Client
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # lookup cost does not depend on the KV size
 CHUNK = 256
 MODEL = "bench-hol"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(count: int, chunks: int) -> list[list[int]]:
@@ -56,29 +51,16 @@ def kv_for(tokens: list[int]) -> np.ndarray:
     return np.full(LAYOUT.chunk_shape(len(tokens)), tokens[0] % 97, dtype=LAYOUT.numpy_dtype())
 
 
-def metric(admin: str, name: str) -> float:
-    for line in httpx.get(admin + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+def start_server(work: str, delay_ms: float, l1_bytes: int) -> KVTierServer:
+    """A ``kvtier server`` whose L2 (local disk) answers every call after ``delay_ms``."""
+    disk = {"type": "local_disk", "path": f"{work}/l2-{time.monotonic_ns()}"}
+    spec = {"type": "faulty", "latency_seconds": delay_ms / 1000, "inner": disk}
+    return KVTierServer(Path(work), CHUNK, f"{l1_bytes}B", l2=spec, extra=("--log-level", "ERROR"),
+                        startup_timeout_seconds=120)
 
 
-def start_server(work: str, delay_ms: float, l1_bytes: int):
-    port, admin = free_port(), free_port()
-    spec = {"type": "faulty", "latency_seconds": delay_ms / 1000, "inner": {"type": "local_disk", "path": f"{work}/l2-{port}"}}
-    cmd = [sys.executable, "-m", "kvtier", "server", "--port", str(port), "--admin-port", str(admin),
-           "--l1-size-gb", str(l1_bytes / 1e9), "--eviction-policy", "LRU", "--chunk-size", str(CHUNK),
-           "--l2-adapter", json.dumps(spec), "--log-level", "ERROR"]
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{admin}/healthz", timeout=1).status_code == 200:
-                return proc, f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not start")
+def promoted_chunks(server: KVTierServer) -> float:
+    return metric_sum(server.metrics_text(), "kvtier_l2_promoted_chunks_total")
 
 
 def lookup_loop(url: str, pool: list[list[int]], duration: float, interval: float, seed: int, out) -> None:
@@ -115,7 +97,8 @@ def l2_loop(url: str, pool: list[list[int]], duration: float, seed: int, out) ->
 def measure(work: str, delay_ms: float, args, pool) -> dict:
     chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
     l1_bytes = max(len(pool) * args.chunks * chunk_bytes // 4, 4 * args.chunks * chunk_bytes)
-    proc, url, admin = start_server(work, delay_ms, l1_bytes)
+    server = start_server(work, delay_ms, l1_bytes)
+    url = server.url
     try:
         with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=60) as setup:
             for tokens in pool:  # every prompt in L2 (one at a time: a full write queue drops writes)
@@ -123,7 +106,7 @@ def measure(work: str, delay_ms: float, args, pool) -> dict:
                 assert setup.flush(300), "L2 writes did not finish"
         ctx = mp.get_context("spawn")
         out, l2_out = ctx.Queue(), ctx.Queue()
-        promoted_before = metric(admin, "kvtier_l2_promoted_chunks_total")
+        promoted_before = promoted_chunks(server)
         procs = [ctx.Process(target=lookup_loop, args=(url, pool, args.duration, args.interval_seconds, i, out))
                  for i in range(args.clients)]
         procs.append(ctx.Process(target=l2_loop, args=(url, pool, args.duration, 99, l2_out)))
@@ -133,10 +116,9 @@ def measure(work: str, delay_ms: float, args, pool) -> dict:
         l2_done = l2_out.get(timeout=args.duration + 300)
         for p in procs:
             p.join(60)
-        promoted = metric(admin, "kvtier_l2_promoted_chunks_total") - promoted_before
+        promoted = promoted_chunks(server) - promoted_before
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop(60)
     lat = np.array([x for r in results for x in r[0]])
     hits = sum(r[1]["hit"] for r in results)
     misses = sum(r[1]["miss"] for r in results)

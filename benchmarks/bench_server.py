@@ -28,17 +28,20 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
+
+from harness.kvtier_server import KVTierServer  # noqa: E402 (after the sys.path line above)
 from kvtier.cache import KVCache
 from kvtier.client import Client
 from kvtier.config import build_config
@@ -50,33 +53,12 @@ CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_LOGS = Path(tempfile.mkdtemp(prefix="kvtier-bench-server-"))  # the servers' logs
 
 
-class Server:
-    def __init__(self, l1_gb: float, *extra: str):
-        self.port, self.admin_port = free_port(), free_port()
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kvtier", "server", "--port", str(self.port), "--admin-port", str(self.admin_port),
-               "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU", "--chunk-size", str(CHUNK), "--log-level", "WARNING",
-               *extra]
-        self.proc = subprocess.Popen(cmd)
-        import httpx
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.admin_port}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError("server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+def start_server(l1_gb: float, *extra: str) -> KVTierServer:
+    """A ``kvtier server`` with this benchmark's chunk size and an L1 of ``l1_gb``; ``extra``: more flags."""
+    return KVTierServer(_LOGS, CHUNK, str(l1_gb), extra=("--log-level", "WARNING", *extra), startup_timeout_seconds=120)
 
 
 def tokens_of(doc: int, num_tokens: int) -> list[int]:
@@ -88,7 +70,7 @@ def bandwidth(args) -> dict:
     n_tok = args.chunks * CHUNK
     kv = torch.randn(LAYOUT.chunk_shape(n_tok), generator=torch.Generator().manual_seed(0))
     l1_gb = 2.5 * args.chunks * CHUNK_BYTES / 1e9
-    server, open_server = Server(l1_gb), Server(l1_gb, "--no-auth")
+    server, open_server = start_server(l1_gb), start_server(l1_gb, "--no-auth")
     try:
         paths = {"server-shm": Client(server.url, model=MODEL, layout=LAYOUT),
                  "server-frames": Client(server.url, model=MODEL, layout=LAYOUT, shared_memory=False),
@@ -130,7 +112,7 @@ def bandwidth(args) -> dict:
 # ---- (b) lookup latency -------------------------------------------------------------------------
 def lookup_latency(args) -> dict:
     n_tok = 8192
-    server = Server(1.2 * 32 * CHUNK_BYTES / 1e9 + 0.05)
+    server = start_server(1.2 * 32 * CHUNK_BYTES / 1e9 + 0.05)
     try:
         client = Client(server.url, model=MODEL, layout=LAYOUT)
         local = KVCache(build_config({"chunk_size": CHUNK, "l1_size_gb": 0.5}), MODEL, KVLayout(1, 1, 8))
@@ -168,11 +150,9 @@ def lookup_latency(args) -> dict:
 
 # ---- (c) server RSS -----------------------------------------------------------------------------
 def server_rss(args) -> dict:
-    import httpx
-
-    server = Server(args.rss_l1_gb)
+    server = start_server(args.rss_l1_gb)
     proc = psutil.Process(server.proc.pid)
-    shm = "/dev/shm/" + httpx.get(f"http://127.0.0.1:{server.admin_port}/status").json()["l1"]["shm_name"]
+    shm = "/dev/shm/" + server.status()["l1"]["shm_name"]
 
     def resident() -> tuple[int, int]:
         # the L1 pages are written by clients, so they count in the shm file, not in the server's own RSS;
@@ -261,7 +241,7 @@ def worker(url: str, seed: int, duration_s: float, num_docs: int, queue, barrier
 
 
 def mixed(args) -> dict:
-    server = Server(args.mixed_l1_gb)
+    server = start_server(args.mixed_l1_gb)
     try:
         ctx = mp.get_context("spawn")
         queue, barrier = ctx.Queue(), ctx.Barrier(args.clients)

@@ -21,15 +21,12 @@ Run: ``.venv/bin/python benchmarks/bench_trust.py --duration 10`` (short); for t
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import multiprocessing as mp
 import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,8 +35,11 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
+
+from harness.kvtier_server import KVTierServer  # noqa: E402 (after the sys.path line above)
+from harness.metrics import parse  # noqa: E402
 from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.client.dataplane import host_id
@@ -51,55 +51,16 @@ CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)  # 256 KiB
 MODEL = "trust-bench"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_server(workdir: Path, l1_bytes: int, config: dict, lease_seconds: float = 1.0) -> KVTierServer:
+    """A ``kvtier server`` with this benchmark's chunk size, an L1 of ``l1_bytes`` and ``config`` (a tree)."""
+    return KVTierServer(workdir, CHUNK, f"{l1_bytes}B", config=config, startup_timeout_seconds=120,
+                        extra=("--lease-seconds", str(lease_seconds), "--log-level", "ERROR"))
 
 
-_started: list[subprocess.Popen] = []
-
-
-@atexit.register
-def _stop_servers() -> None:  # also when a figure's assertion fails
-    for proc in _started:
-        if proc.poll() is None:
-            proc.kill()
-
-
-class Server:
-    def __init__(self, workdir: Path, l1_bytes: int, config: dict, lease_seconds: float = 1.0):
-        self.port, self.admin_port = free_port(), free_port()
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        path = workdir / f"config-{self.port}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        cmd = [sys.executable, "-m", "kvtier", "server", "--port", str(self.port), "--admin-port", str(self.admin_port),
-               "--l1-size-gb", f"{l1_bytes}B", "--eviction-policy", "LRU", "--chunk-size", str(CHUNK),
-               "--lease-seconds", str(lease_seconds), "--log-level", "ERROR", "--config", str(path)]
-        self.proc = subprocess.Popen(cmd)
-        _started.append(self.proc)
-        import httpx
-        self._httpx = httpx
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.admin_port}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError("server did not start")
-
-    def metrics(self) -> dict:
-        out = {}
-        for line in self._httpx.get(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=10).text.splitlines():
-            if line.startswith("kvtier_") and " " in line:
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(120)
+def kvtier_series(server: KVTierServer) -> dict[str, float]:
+    """The server's ``kvtier_*`` samples keyed as exposed (``name{label="value"}``), for the JSON summary."""
+    return {name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""): value
+            for (name, labels), value in parse(server.metrics_text()).items() if name.startswith("kvtier_")}
 
 
 def tokens_of(doc: int, num_chunks: int) -> list[int]:
@@ -160,7 +121,7 @@ def worker(url: str, seed: int, duration_s: float, num_docs: int, slow: bool, qu
 def soak(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-trust-"))
     l2 = {"l2_adapters": [{"type": "local_disk", "path": str(workdir / "l2")}], "l2_write_queue_size": 256}
-    server = Server(workdir, args.l1_chunks * CHUNK_BYTES + 4096, l2)
+    server = start_server(workdir, args.l1_chunks * CHUNK_BYTES + 4096, l2)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     honest = args.clients - 2
@@ -199,10 +160,10 @@ def soak(args) -> dict:
     victim.join()
     checked = sum(r["checked"] for r in results.values())
     wrong = sum(r["wrong_bytes"] for r in results.values())
-    metrics = server.metrics()
+    metrics = kvtier_series(server)
     server.stop()
     # every document, read back from L2 by a fresh server
-    fresh = Server(workdir, 8 * args.docs * CHUNK_BYTES, l2)
+    fresh = start_server(workdir, 8 * args.docs * CHUNK_BYTES, l2)
     l2_checked = l2_wrong = 0
     with Client(fresh.url, model=MODEL, layout=LAYOUT, timeout_seconds=60) as client:
         for doc in range(args.docs):
@@ -272,7 +233,7 @@ def hostile(url: str, seed: int, duration_s: float, prompt_tokens: int) -> None:
 def flood(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-flood-"))
     l1_bytes = 256 << 20
-    server = Server(workdir, l1_bytes, {"server": {"max_prompt_tokens": args.hostile_prompt_tokens}}, lease_seconds=2)
+    server = start_server(workdir, l1_bytes, {"server": {"max_prompt_tokens": args.hostile_prompt_tokens}}, lease_seconds=2)
     seed_client = Client(server.url, model=MODEL, layout=LAYOUT)
     assert seed_client.store_chunks(tokens_of(0, 8), fill_for(0)) == 8
     honest_toks = tokens_of(1, 32)
@@ -317,7 +278,7 @@ def flood(args) -> dict:
         proc.join(60)
     stop.set()
     sampler.join()
-    metrics = server.metrics()
+    metrics = kvtier_series(server)
     seed_client.close()
     server.stop()
     lat = sorted(latencies)
@@ -333,8 +294,8 @@ def flood(args) -> dict:
 def checks(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-checks-"))
     l1 = 256 * CHUNK_BYTES + 4096
-    servers = {"with": Server(workdir, l1, {}, lease_seconds=30),
-               "without": Server(workdir, l1, {"server": {"client_limits": False}}, lease_seconds=30)}
+    servers = {"with": start_server(workdir, l1, {}, lease_seconds=30),
+               "without": start_server(workdir, l1, {"server": {"client_limits": False}}, lease_seconds=30)}
     clients = {k: Client(s.url, model=MODEL, layout=LAYOUT) for k, s in servers.items()}
     lookup_toks, retr_toks = tokens_of(3, 128), tokens_of(4, 8)
     for c in clients.values():

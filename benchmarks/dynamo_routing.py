@@ -1,6 +1,6 @@
 """Two nodes behind NVIDIA Dynamo's frontend: KV-aware routing that sees kvtier's tiers vs round-robin.
 
-The deployment is ``examples/dynamo/two_nodes.sh`` (benchmarks/dynamo_deploy.py): two kvtier servers, each with
+The deployment is ``examples/dynamo/two_nodes.sh`` (harness/dynamo_deploy.py): two kvtier servers, each with
 its own ``dynamo.vllm`` worker (KVTierConnector; the worker announces what its server holds in its own KV event
 stream), one ``dynamo.frontend``. It runs twice in the same invocation, once per router mode (``--router-mode kv``
 and ``round-robin``), with the same prompts in the same order.
@@ -48,9 +48,11 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # the repository root: harness/
 
 from corpus import Corpus  # noqa: E402 (after the sys.path line above)
-from dynamo_deploy import REPO, TwoNodes, scrape  # noqa: E402
+from harness.dynamo_deploy import REPO, TwoNodes  # noqa: E402
+from harness.metrics import scrape  # noqa: E402
 
 SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
 QUESTIONS = ["What is this text about? Answer in one sentence.", "Which names or programs does it mention?",

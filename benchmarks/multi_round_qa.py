@@ -59,9 +59,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # benchmarks/ and the repository r
 
 from charts import multi_round_qa_chart  # noqa: E402 (after the sys.path line above)
 from corpus import Corpus, CorpusExhausted, candidate_files  # noqa: E402
+from harness.metrics import total  # noqa: E402
 from harness.vllm import REPO, KVTierServer, LMCacheServer, lmcache_missing, model_dir  # noqa: E402
-from vllm_procs import (  # noqa: E402
-    VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters, total)
+from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters  # noqa: E402
 
 SYSTEMS = ("vllm", "lmcache", "kvtier", "kvtier_lazy")
 DEFAULT_SYSTEMS = "vllm,lmcache,kvtier"

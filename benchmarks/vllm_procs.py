@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
 
+from harness.metrics import scrape, total  # noqa: E402
 from harness.vllm import (  # noqa: E402 (after the sys.path line above)
     LMCACHE_PYTHON,
     REPO,
@@ -49,19 +49,6 @@ def kv_bytes_per_token(folder: Path, dtype_bytes: int = 4) -> int:
     cfg = json.loads((folder / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of a Prometheus text endpoint: ``{(sample name, sorted label pairs): value}``."""
-    text = httpx.get(url, timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples: dict, name: str, **labels) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels`` (0.0 when there are none)."""
-    want = set(labels.items())
-    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
 
 
 def lookup_counters(cache: KVTierServer | LMCacheServer | None) -> dict[str, float]:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from harness.metrics import scrape
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "smollm2"
@@ -42,13 +43,6 @@ def free_port_base(count: int = 15) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no range of free ports found on 127.0.0.1")
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of a Prometheus text endpoint: ``{(sample name, sorted label pairs): value}``."""
-    text = httpx.get(url, timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 class TwoNodes:

@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from dynamo_deploy import VLLM_BLOCK_TOKENS as BLOCK  # noqa: E402 (benchmarks/ holds the deployment wrapper)
-from dynamo_deploy import TwoNodes  # noqa: E402
+from harness.dynamo_deploy import VLLM_BLOCK_TOKENS as BLOCK  # noqa: E402
+from harness.dynamo_deploy import TwoNodes  # noqa: E402
 from support.dynamo_procs import RouterProbe, require_dynamo  # noqa: E402
 from support.server import wait_for  # noqa: E402
 
