@@ -29,6 +29,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtier.connectors.vllm_layout import as_torch, block_views, gather_chunk, scatter_chunk
+from kvtier.connectors.vllm_scheduler import scheduled_again
 from kvtier.errors import InputError
 
 logger = logging.getLogger("vllm.kvtier_connector")
@@ -173,19 +174,9 @@ class HybridScheduler:
             self._hybrid_tracks[new.req_id] = track
             self._hybrid_plan_save(meta, new.req_id, new.num_computed_tokens,
                                    new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            track = self._hybrid_tracks.get(req_id)
-            if track is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                track.tables = [list(t) for t in new_ids] if new_ids else [[] for _ in track.tables]
-            elif new_ids:
-                for table, ids in zip(track.tables, new_ids):
-                    table.extend(ids)
-            before = cached.num_computed_tokens[i]
-            self._hybrid_plan_save(meta, req_id, before, before + scheduler_output.num_scheduled_tokens[req_id])
+        tables = {req_id: track.tables for req_id, track in self._hybrid_tracks.items()}
+        for req_id, before, after in scheduled_again(scheduler_output, tables):
+            self._hybrid_plan_save(meta, req_id, before, after)
         for req_id in scheduler_output.finished_req_ids:
             self._hybrid_tracks.pop(req_id, None)
 

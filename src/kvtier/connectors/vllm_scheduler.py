@@ -88,6 +88,30 @@ class _Track:
     extra_keys: list | None = None  # per block of the prompt
 
 
+def scheduled_again(scheduler_output, tables: dict[str, list[list[int]]]):
+    """Walk vLLM's ``scheduled_cached_reqs`` (running or resumed requests scheduled again) for the requests in
+    ``tables`` (req_id -> block ids per KV cache group; others are skipped).
+
+    Mutates ``tables``' lists in place: a resumed request's are replaced by its new block ids (emptied when vLLM
+    sent none), a running one's extended by the blocks allocated this step. Yields ``(req_id, tokens computed
+    before this step, tokens computed after it)``.
+    """
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        if req_id not in tables:
+            continue
+        new_ids = cached.new_block_ids[i]
+        resumed = req_id in cached.resumed_req_ids
+        for g, table in enumerate(tables[req_id]):
+            ids = new_ids[g] if new_ids else []
+            if resumed:
+                table[:] = ids
+            else:
+                table.extend(ids)
+        before = cached.num_computed_tokens[i]
+        yield req_id, before, before + scheduler_output.num_scheduled_tokens[req_id]
+
+
 class SchedulerSide:
     """Scheduler-side methods of ``KVTierConnector`` (mixed into it; uses its backend, sizes and ``_call``)."""
 
@@ -198,17 +222,9 @@ class SchedulerSide:
                                          track.block_ids[start // bs:end // bs], look.extra_keys))
             self._tracks[new.req_id] = track
             self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            track = self._tracks.get(req_id)
-            if track is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                track.block_ids = list(new_ids[0]) if new_ids else []
-            elif new_ids:
-                track.block_ids.extend(new_ids[0])
-            self._plan_save(meta, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+        tables = {req_id: [track.block_ids] for req_id, track in self._tracks.items()}
+        for req_id, _, computed_end in scheduled_again(scheduler_output, tables):
+            self._plan_save(meta, req_id, computed_end)
         for req_id in scheduler_output.finished_req_ids:
             self._tracks.pop(req_id, None)
         self._report_costs()
