@@ -93,22 +93,22 @@ class Maker:
         return adapter
 
 
-@pytest.fixture(params=list(ADAPTER_FACTORIES))
-def adapter_factory(request, tmp_path) -> Maker:
+def _maker(request, tmp_path):
+    """A Maker for the adapter named by ``request.param``; closes what it made afterwards."""
     factory = ADAPTER_FACTORIES[request.param]
     values = {name: request.getfixturevalue(name) for name in factory.fixtures}
     maker = Maker(request.param, factory, tmp_path, values)
     yield maker
     for adapter in maker.made:
         adapter.close()
+
+
+@pytest.fixture(params=list(ADAPTER_FACTORIES))
+def adapter_factory(request, tmp_path) -> Maker:
+    yield from _maker(request, tmp_path)
 
 
 @pytest.fixture(params=[n for n, f in ADAPTER_FACTORIES.items() if f.has_capacity])
 def capacity_adapter_factory(request, tmp_path) -> Maker:
     """Like ``adapter_factory``, over the adapters that have a capacity."""
-    factory = ADAPTER_FACTORIES[request.param]
-    values = {name: request.getfixturevalue(name) for name in factory.fixtures}
-    maker = Maker(request.param, factory, tmp_path, values)
-    yield maker
-    for adapter in maker.made:
-        adapter.close()
+    yield from _maker(request, tmp_path)
