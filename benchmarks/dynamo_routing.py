@@ -53,20 +53,12 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: harness/
 from corpus import Corpus  # noqa: E402 (after the sys.path line above)
 from harness.dynamo_deploy import REPO, TwoNodes  # noqa: E402
 from harness.metrics import scrape  # noqa: E402
+from harness.vllm import model_dir  # noqa: E402
 
 SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
 QUESTIONS = ["What is this text about? Answer in one sentence.", "Which names or programs does it mention?",
              "Summarise the most important rule it describes.", "What would a user need to know from it?"]
 CHUNK_TOKENS = 256  # two_nodes.sh's chunk size
-
-
-def model_dir() -> Path:
-    from kvtier.models import SMOLLM2_DIRNAME, load_smollm2, model_cache_dir
-
-    folder = model_cache_dir() / SMOLLM2_DIRNAME
-    if not (folder / "tokenizer.json").exists():
-        load_smollm2(progress=False)
-    return folder
 
 
 def stream(client: httpx.Client, dep: TwoNodes, prompt: str, max_tokens: int) -> dict:

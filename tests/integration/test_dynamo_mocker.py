@@ -35,7 +35,6 @@ CHUNK = 256
 PROMPT = [100 + (i * 7919) % 40_000 for i in range(2 * CHUNK)]  # two chunks of SmolLM2 token ids
 OTHER = [100 + (i * 104_729) % 40_000 for i in range(2 * CHUNK)]  # nobody stores this one
 LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"}
-WAIT_SECONDS = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +58,6 @@ def deployment(tmp_path_factory):
         dep.stop()
         if server is not None:
             server.stop()
-
-
-def until(probe: RouterProbe, tokens: list[int], done, what: str) -> dict:
-    """Query the router until ``done(answer)`` holds (events travel asynchronously); fail after WAIT_SECONDS."""
-    deadline = time.monotonic() + WAIT_SECONDS
-    while True:
-        answer = probe.query(tokens)
-        if done(answer):
-            return answer
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the router never saw {what} within {WAIT_SECONDS:.0f} s; last answer: {answer}")
-        time.sleep(0.2)
 
 
 def indexer_view(deployment: dict, tokens: list[int]) -> dict:
@@ -109,8 +96,9 @@ def test_router_credits_host_and_disk_of_the_worker_whose_kvtier_holds_the_prefi
         assert client.store(PROMPT, kv) == 2
         assert client.flush(30), "kvtier's L2 write did not finish"
     # L1 (CPU) and L2 (STORAGE) both hold both chunks: A is credited on its host and disk tiers, B on none
-    answer = until(deployment["probe"], PROMPT, lambda r: r["workers"][a]["host"] == n_blocks
-                   and r["workers"][a]["disk"] == n_blocks, "kvtier's chunks on worker A's host and disk tiers")
+    answer = deployment["probe"].until(PROMPT, lambda r: r["workers"][a]["host"] == n_blocks
+                                       and r["workers"][a]["disk"] == n_blocks,
+                                       "kvtier's chunks on worker A's host and disk tiers")
     assert answer["workers"][a]["device"] == 0
     assert answer["workers"][b] == {"device": 0, "host": 0, "disk": 0}
     assert answer["best"]["worker"] == a and answer["best"]["overlap"] > 0
@@ -126,8 +114,8 @@ def test_after_clearing_l1_only_the_disk_tier_stays_credited(deployment):
     reply = httpx.post(f"{deployment['admin']}/clear", json={"medium": "CPU"}, headers=deployment["admin_headers"],
                        timeout=10)
     assert reply.status_code == 200 and reply.json()["num_l1_chunks"] == 2, reply.text
-    answer = until(deployment["probe"], PROMPT, lambda r: r["workers"][a]["host"] == 0,
-                   "the removal of worker A's host-tier blocks")
+    answer = deployment["probe"].until(PROMPT, lambda r: r["workers"][a]["host"] == 0,
+                                       "the removal of worker A's host-tier blocks")
     assert answer["workers"][a]["disk"] == n_blocks, answer
     # a disk hit is worth less than a host hit, but A is still the only worker with any of the prefix
     assert answer["best"]["worker"] == a and 0 < answer["best"]["overlap"] < before["overlap"], (before, answer)
@@ -207,8 +195,8 @@ def fed(tmp_path_factory):
         from kvtier.events import BlockStored
 
         joined = BlockStored([7], None, JOINED, BLOCK, None, "GPU", None)
-        until(probe, JOINED, lambda r: worker.publisher.publish([joined]) and r["workers"][str(worker_c)]["device"],
-              "worker C's relay subscribed")
+        probe.until(JOINED, lambda r: worker.publisher.publish([joined]) and r["workers"][str(worker_c)]["device"],
+                    "worker C's relay subscribed")
         worker.start()
         yield {"c": str(worker_c), "probe": probe, "worker": worker, **addresses}
     finally:
@@ -222,8 +210,9 @@ def fed(tmp_path_factory):
 
 def test_a_worker_started_after_the_server_announces_what_it_already_holds(fed):
     c, n_blocks = fed["c"], len(FED) // BLOCK
-    answer = until(fed["probe"], FED, lambda r: r["workers"][c]["host"] == n_blocks
-                   and r["workers"][c]["disk"] == n_blocks, "the replayed chunks on worker C's host and disk tiers")
+    answer = fed["probe"].until(FED, lambda r: r["workers"][c]["host"] == n_blocks
+                                and r["workers"][c]["disk"] == n_blocks,
+                                "the replayed chunks on worker C's host and disk tiers")
     assert answer["workers"][c]["device"] == 0 and answer["best"]["worker"] == c
 
 
@@ -233,12 +222,12 @@ def test_after_the_engines_clear_the_worker_still_announces_kvtiers_chunks(fed):
     c, probe, worker = fed["c"], fed["probe"], fed["worker"]
     gpu = BlockStored([10**6 + i for i in range(4)], None, ENGINE_ONLY, BLOCK, None, "GPU", None)
     worker.step([gpu])
-    until(probe, ENGINE_ONLY, lambda r: r["workers"][c]["device"] == 4, "the engine's own GPU blocks")
+    probe.until(ENGINE_ONLY, lambda r: r["workers"][c]["device"] == 4, "the engine's own GPU blocks")
     # vLLM's reset_prefix_cache with a connector reset: AllBlocksCleared, then the connector's re-announcement
     worker.step([AllBlocksCleared()], reset_connector=True)
     with Client(fed["url"], model=MODEL_NAME, layout=LAYOUT) as client:  # an event the router sees after both
         kv = np.random.default_rng(2).random((2, 2, len(LATER), 1, 8), dtype=np.float32)
         assert client.store(LATER, kv) == 1
-    until(probe, LATER, lambda r: r["workers"][c]["host"] == len(LATER) // BLOCK, "a store after the clear")
+    probe.until(LATER, lambda r: r["workers"][c]["host"] == len(LATER) // BLOCK, "a store after the clear")
     assert probe.query(ENGINE_ONLY)["workers"][c]["device"] == 0  # the clear reached the router ...
     assert probe.query(FED)["workers"][c]["host"] == len(FED) // BLOCK  # ... and kvtier's chunks came back

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from harness import services
+from harness.kvtier_server import KVTierServer
+from harness.vllm import model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"
@@ -30,16 +31,6 @@ def require_dynamo() -> str:
     if not DYNAMO_PYTHON.exists():
         raise RuntimeError(f"{DYNAMO_PYTHON} is missing: run scripts/setup-dynamo.sh (NVIDIA Dynamo 1.6.1 environment)")
     return str(DYNAMO_PYTHON)
-
-
-def tokenizer_dir() -> Path:
-    """A folder with SmolLM2's ``config.json`` and tokenizer (the converted model; converted on first use)."""
-    from kvtier.models import SMOLLM2_DIRNAME, load_smollm2, model_cache_dir
-
-    folder = model_cache_dir() / SMOLLM2_DIRNAME
-    if not (folder / "tokenizer.json").exists():
-        load_smollm2(progress=False)
-    return folder
 
 
 class Deployment:
@@ -72,7 +63,7 @@ class Deployment:
     def start_mocker(self, name: str, block_size: int, *extra: str) -> int:
         """A ``dynamo.mocker`` worker (simulated engine: random tokens, real KV events); returns its worker id."""
         before = self.worker_ids()
-        proc = self.start(name, ["-m", "dynamo.mocker", "--model-path", str(tokenizer_dir()), "--model-name",
+        proc = self.start(name, ["-m", "dynamo.mocker", "--model-path", str(model_dir()), "--model-name",
                                  MODEL_NAME, *PLANES, "--block-size", str(block_size), "--num-gpu-blocks-override",
                                  "512", "--speedup-ratio", "10", *extra])
         proc.wait_ready(lambda: len(self.worker_ids() - before) == 1)
@@ -109,34 +100,28 @@ class Deployment:
 
 
 def start_kvtier_server(work: Path, chunk_size: int, block_size: int, *, replay: bool = False
-                        ) -> tuple[services.Proc, dict]:
+                        ) -> tuple[KVTierServer, dict]:
     """A running ``kvtier server`` hashing per ``block_size`` tokens (the engines' block size) and publishing KV
     events for those blocks, with a local-disk L2.
 
-    Returns the process and its addresses: ``url`` (requests), ``admin`` (HTTP), ``events`` (the PUB socket),
+    Returns the server and its addresses: ``url`` (requests), ``admin`` (HTTP), ``events`` (the PUB socket),
     ``admin_headers`` (the admin token, which ``POST /clear`` needs), and with ``replay`` ``replay`` (the
     replay socket) and ``secret_file`` (the server's secret, which the replay socket requires).
     """
-    port, admin, events = services.free_port(), services.free_port(), services.free_port()
-    replay_port = services.free_port()
-    l2 = work / "kvtier-l2"
-    argv = [sys.executable, "-m", "kvtier", "server", "--port", str(port), "--admin-port", str(admin),
-            "--l1-size-gb", "0.1", "--eviction-policy", "LRU", "--chunk-size", str(chunk_size),
-            "--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-            "--block-size", str(block_size),
-            *(["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"] if replay else []),
-            "--l2-adapter", json.dumps({"type": "local_disk", "path": str(l2)})]
+    events, replay_port = services.free_port(), services.free_port()
     token = "dynamo-test-admin-token"
-    proc = services.Proc("kvtier-server", argv, work / "kvtier-server.log", env={"KVTIER_ADMIN_TOKEN": token}).start()
-    addresses = {"url": f"tcp://127.0.0.1:{port}", "admin": f"http://127.0.0.1:{admin}",
-                 "events": f"tcp://127.0.0.1:{events}", "admin_headers": {"Authorization": f"Bearer {token}"}}
+    flags = ("--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
+             *(["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"] if replay else []))
+    server = KVTierServer(work, chunk_size, "0.1", block_size, l2={"type": "local_disk", "path": str(work / "kvtier-l2")},
+                          token=token, extra=flags)
+    addresses = {"url": server.url, "admin": server.admin, "events": f"tcp://127.0.0.1:{events}",
+                 "admin_headers": {"Authorization": f"Bearer {token}"}}
     if replay:
         from kvtier.auth import secret_file_for
 
         addresses["replay"] = f"tcp://127.0.0.1:{replay_port}"
         addresses["secret_file"] = str(secret_file_for(addresses["url"])[0])
-    proc.wait_ready(lambda: httpx.get(f"{addresses['admin']}/healthz", timeout=1).status_code == 200)
-    return proc, addresses
+    return server, addresses
 
 
 class RouterProbe:
