@@ -72,14 +72,14 @@ def bench_publisher(num_events: int) -> None:
             time.sleep(0.0005)
     while pub.stats()["queued_events"]:
         time.sleep(0.001)
-    queue_drained_s = time.monotonic() - start
+    queue_drained_seconds = time.monotonic() - start
     result = json.loads(child.stdout.readline())
     child.wait(60)
     pub.close()
     elapsed = result["done_at"] - start  # until the subscriber process had the last event
     rate = num_events / elapsed
     print(f"(a) publisher -> subscriber process: {num_events} events (BlockStored, 16 tokens) in {elapsed:.3f} s "
-          f"(publisher queue drained after {queue_drained_s:.3f} s) = {rate:,.0f} events/s; "
+          f"(publisher queue drained after {queue_drained_seconds:.3f} s) = {rate:,.0f} events/s; "
           f"ratio vs {TARGET_EVENTS_PER_S:,}/s target: {rate / TARGET_EVENTS_PER_S:.2f}x")
     ok = result["received"] == num_events and result["in_order"] and result["missed_batches"] == 0
     print(f"    subscriber: {result['received']} events, in order: {result['in_order']}, live batches "

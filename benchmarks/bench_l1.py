@@ -10,7 +10,7 @@
     ratio L1/torch, the median over adjacent (L1, torch) pairs of the same copy (target >= 0.8).
 
 (b) Peak memory (run first). In a fresh subprocess (so ru_maxrss starts clean): store chunks totalling
-    ``--churn-factor`` x the budget into an L1Store of ``--budget-mb`` (every reserve evicts once
+    ``--churn-factor`` x the budget into an L1Store of ``--budget-bytes`` (every reserve evicts once
     full; the write rate including eviction is printed too); report peak RSS (psutil,
     sampled after each chunk) and ru_maxrss, minus the baseline taken before the store was created,
     against the budget (target <= budget + 300 MB).
@@ -31,11 +31,16 @@ import time
 import psutil
 import torch
 
+from kvtier.config import parse_size
 from kvtier.l1.store import L1Store
 
 SHAPE = (30, 2, 256, 3, 64)  # SmolLM2-135M: 30 layers, K and V, 256 tokens, 3 KV heads, head dim 64
 MB = 1_000_000
 MIB = 1 << 20
+
+
+def size_bytes(text: str) -> int:
+    return int(parse_size(text, "B"))
 
 
 def _sources(num: int) -> list[torch.Tensor]:
@@ -52,9 +57,9 @@ def bandwidth(args: argparse.Namespace) -> dict:
     sources = _sources(args.num_sources)
     out = torch.empty(SHAPE)
     out.zero_()
-    store = L1Store(args.bw_budget_mb * MIB, policy=args.policy)
+    store = L1Store(args.bw_budget_bytes, policy=args.policy)
     if args.chunks_per_round * chunk_bytes > store.capacity_bytes:
-        raise SystemExit("--chunks-per-round chunks must fit in --bw-budget-mb")
+        raise SystemExit("--chunks-per-round chunks must fit in --bw-budget-bytes")
     baseline_slots = [torch.empty(SHAPE) for _ in range(args.chunks_per_round)]
     for t in baseline_slots:
         t.zero_()  # touch the pages, as the arena's are touched after the warm-up round
@@ -160,7 +165,7 @@ def peak_memory(args: argparse.Namespace) -> dict:
     hwm_reset = _reset_peak_rss()
     base_rss = proc.memory_info().rss
     maxrss_at_base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    budget_bytes = args.budget_mb * MB
+    budget_bytes = args.budget_bytes
     store = L1Store(budget_bytes, policy=args.policy)
     num_chunks = args.churn_factor * budget_bytes // chunk_bytes
     peak_rss = base_rss
@@ -197,8 +202,10 @@ def main() -> None:
     parser.add_argument("--chunks-per-round", type=int, default=32, help="chunks stored then retrieved per round")
     parser.add_argument("--rounds", type=int, default=7, help="measured rounds of each (after one warm-up)")
     parser.add_argument("--num-sources", type=int, default=8, help="distinct source chunks (defeat CPU caches)")
-    parser.add_argument("--bw-budget-mb", type=int, default=512, help="L1 budget (MiB) for the bandwidth part")
-    parser.add_argument("--budget-mb", type=int, default=512, help="L1 budget (MB) for the memory part")
+    parser.add_argument("--bw-budget-bytes", type=size_bytes, default="512MiB",
+                        help="L1 budget for the bandwidth part (bytes, or a size: 512MiB)")
+    parser.add_argument("--budget-bytes", type=size_bytes, default="512MB",
+                        help="L1 budget for the memory part (bytes, or a size: 512MB)")
     parser.add_argument("--churn-factor", type=int, default=10, help="write this many budgets of chunks")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads for every copy (1: stable figures on a shared machine)")
@@ -218,27 +225,27 @@ def main() -> None:
         # First, while this process is small: Linux carries the parent's RSS at fork into the
         # child's ru_maxrss (kept across exec), which would hide the child's own peak.
         cmd = [sys.executable, __file__, "--memory-child", "--policy", args.policy,
-               "--budget-mb", str(args.budget_mb), "--churn-factor", str(args.churn_factor),
+               "--budget-bytes", str(args.budget_bytes), "--churn-factor", str(args.churn_factor),
                "--num-sources", str(args.num_sources), "--threads", str(args.threads)]
         child = subprocess.run(cmd, capture_output=True, text=True, check=True)
         mem = json.loads(child.stdout.strip().splitlines()[-1])
-        rss_mb = mem["rss_peak_minus_base_bytes"] / MB
-        maxrss_mb = mem["maxrss_peak_minus_base_bytes"] / MB
-        limit_mb = mem["budget_bytes"] / MB + 300
-        worst = max(rss_mb, maxrss_mb)
-        verdict = "PASS" if worst <= limit_mb else "ABOVE TARGET"
+        rss_megabytes = mem["rss_peak_minus_base_bytes"] / MB
+        maxrss_megabytes = mem["maxrss_peak_minus_base_bytes"] / MB
+        limit_megabytes = mem["budget_bytes"] / MB + 300
+        worst = max(rss_megabytes, maxrss_megabytes)
+        verdict = "PASS" if worst <= limit_megabytes else "ABOVE TARGET"
         print(f"  wrote {mem['written_bytes'] / MB:.0f} MB in {mem['num_chunks']} chunks "
               f"({mem['written_bytes'] / mem['seconds'] / 1e9:.2f} GB/s incl. eviction), "
               f"{mem['resident_chunks']} chunks resident at the end")
-        print(f"SUMMARY memory: peak - baseline = {rss_mb:.0f} MB (RSS sampled), {maxrss_mb:.0f} MB (ru_maxrss"
+        print(f"SUMMARY memory: peak - baseline = {rss_megabytes:.0f} MB (RSS sampled), {maxrss_megabytes:.0f} MB (ru_maxrss"
               f"{'' if mem['maxrss_reset'] else ', peak predates the baseline: upper bound'}); "
               f"budget {mem['budget_bytes'] / MB:.0f} MB, ratio {worst / (mem['budget_bytes'] / MB):.2f}x budget "
-              f"(target <= budget + 300 MB = {limit_mb:.0f} MB: {verdict})")
+              f"(target <= budget + 300 MB = {limit_megabytes:.0f} MB: {verdict})")
 
     if not args.skip_bandwidth:
         bw = bandwidth(args)
         print(f"  chunk {bw['chunk_bytes'] / MIB:.2f} MiB, {args.chunks_per_round} chunks/round, "
-              f"{args.rounds} rounds, L1 budget {args.bw_budget_mb} MiB")
+              f"{args.rounds} rounds, L1 budget {args.bw_budget_bytes / MIB:g} MiB")
         print(f"  L1Store : store {bw['l1_store_gbps']:.2f} GB/s, retrieve {bw['l1_retrieve_gbps']:.2f} GB/s")
         print(f"  torch   : store {bw['torch_store_gbps']:.2f} GB/s, retrieve {bw['torch_retrieve_gbps']:.2f} GB/s")
         print(f"  ratio   : store {bw['store_ratio']:.2f}x, retrieve {bw['retrieve_ratio']:.2f}x (median over pairs)")

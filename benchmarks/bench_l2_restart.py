@@ -64,7 +64,7 @@ def bench_adapter(spec: dict, tokens: list[int], kv: torch.Tensor, runs: int) ->
         assert writer.store(tokens, kv) == NUM_TOKENS // CHUNK
         if not writer.flush(300):
             raise RuntimeError(f"{spec['type']}: L2 writes not finished after 300 s")
-        write_s = time.perf_counter() - started
+        write_seconds = time.perf_counter() - started
         if writer.stats().get("kvtier_l2_write_dropped_total"):
             raise RuntimeError(f"{spec['type']}: some L2 writes were dropped: {writer.stats()}")
     times = []
@@ -77,7 +77,7 @@ def bench_adapter(spec: dict, tokens: list[int], kv: torch.Tensor, runs: int) ->
             times.append(time.perf_counter() - started)
             if n != NUM_TOKENS or (run == 0 and not torch.equal(out, kv)):
                 raise RuntimeError(f"{spec['type']}: retrieve returned {n} tokens or different bytes")
-    return {"write_s": write_s, "retrieve_s": statistics.median(times), "all_s": times}
+    return {"write_seconds": write_seconds, "retrieve_seconds": statistics.median(times), "all_seconds": times}
 
 
 def model_baseline(prefill_runs: int):
@@ -104,9 +104,9 @@ def model_baseline(prefill_runs: int):
         cache = kv_to_dynamic_cache(kv[:, :, : NUM_TOKENS - 1], model.config)
         step = model(ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1,
                      attention_mask=torch.ones(1, NUM_TOKENS, dtype=torch.long))
-        step_s = time.perf_counter() - started
+        step_seconds = time.perf_counter() - started
     same = int(step.logits[0, -1].argmax()) == cold_next
-    return ids[0].tolist(), kv.contiguous(), statistics.median(times), step_s, same
+    return ids[0].tolist(), kv.contiguous(), statistics.median(times), step_seconds, same
 
 
 def main() -> int:
@@ -119,21 +119,21 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     kinds = [k for k in KINDS if not args.only or k in args.only.split(",")]
 
-    prefill_s = step_s = None
+    prefill_seconds = step_seconds = None
     if args.skip_model:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 49152, (NUM_TOKENS,), generator=g).tolist()
         kv = torch.randn(LAYOUT.chunk_shape(NUM_TOKENS), generator=g, dtype=torch.float32)
     else:
-        tokens, kv, prefill_s, step_s, same = model_baseline(args.prefill_runs)
+        tokens, kv, prefill_seconds, step_seconds, same = model_baseline(args.prefill_runs)
         print(f"cold prefill of {NUM_TOKENS} tokens on SmolLM2-135M fp32 ({torch.get_num_threads()} threads): "
-              f"{prefill_s:.3f} s (median of {args.prefill_runs}); last-token step over 2,047 retrieved tokens: "
-              f"{step_s * 1e3:.1f} ms, next token {'equals' if same else 'DIFFERS FROM'} cold prefill's")
+              f"{prefill_seconds:.3f} s (median of {args.prefill_runs}); last-token step over 2,047 retrieved tokens: "
+              f"{step_seconds * 1e3:.1f} ms, next token {'equals' if same else 'DIFFERS FROM'} cold prefill's")
     nbytes = kv.numel() * kv.element_size()
     print(f"prefix: {NUM_TOKENS} tokens = {NUM_TOKENS // CHUNK} chunks of {CHUNK}, {nbytes / 2**20:.1f} MiB; "
           f"retrieve = median of {args.runs} runs into an empty L1; MiB/s = 2^20 bytes per second")
     header = f"{'L2':22s} {'write s':>8s} {'retrieve s':>10s} {'MiB/s':>7s}"
-    if prefill_s is not None:
+    if prefill_seconds is not None:
         header += f" {'retrieve/prefill':>16s} {'est. TTFT s':>11s} {'prefill/TTFT':>12s}"
     print(header)
     with tempfile.TemporaryDirectory(prefix="bench-l2-restart-") as tmp:
@@ -145,10 +145,10 @@ def main() -> int:
                     handle = stack.enter_context(STARTERS[kind](tmp))
                     spec = adapter_spec(kind, handle, 8, "restart/")
                 m = bench_adapter(spec, tokens, kv, args.runs)
-            line = f"{kind:22s} {m['write_s']:8.3f} {m['retrieve_s']:10.3f} {nbytes / 2**20 / m['retrieve_s']:7.0f}"
-            if prefill_s is not None:
-                ttft = m["retrieve_s"] + step_s
-                line += f" {m['retrieve_s'] / prefill_s:16.3f} {ttft:11.3f} {prefill_s / ttft:11.1f}x"
+            line = f"{kind:22s} {m['write_seconds']:8.3f} {m['retrieve_seconds']:10.3f} {nbytes / 2**20 / m['retrieve_seconds']:7.0f}"
+            if prefill_seconds is not None:
+                ttft = m["retrieve_seconds"] + step_seconds
+                line += f" {m['retrieve_seconds'] / prefill_seconds:16.3f} {ttft:11.3f} {prefill_seconds / ttft:11.1f}x"
             print(line, flush=True)
     return 0
 

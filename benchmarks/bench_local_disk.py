@@ -81,14 +81,14 @@ def run_plain(root: str, records, threads: int, drop: bool, dir_fsync: bool = Fa
         with ThreadPoolExecutor(threads) as pool:
             start = time.perf_counter()
             list(pool.map(lambda r: plain_write(directory, *r, dir_fsync), records))
-            write_s = time.perf_counter() - start
+            write_seconds = time.perf_counter() - start
             if drop:
                 drop_page_cache()
             start = time.perf_counter()
             got = list(pool.map(lambda r: plain_read(directory, r[0]), records))
-            read_s = time.perf_counter() - start
+            read_seconds = time.perf_counter() - start
         assert all(len(g) == record_size(p) for g, (_, p) in zip(got, records))
-        return write_s, read_s
+        return write_seconds, read_seconds
     finally:
         shutil.rmtree(directory)
 
@@ -100,16 +100,16 @@ def run_kvtier(root: str, records, threads: int, direct_io: bool, drop: bool) ->
     try:
         start = time.perf_counter()
         ok = adapter.put(records)
-        write_s = time.perf_counter() - start
+        write_seconds = time.perf_counter() - start
         assert all(ok)
         if drop:
             drop_page_cache()
         start = time.perf_counter()
         got = adapter.get([name for name, _ in records])
-        read_s = time.perf_counter() - start
+        read_seconds = time.perf_counter() - start
         decode_record(got[0])  # the bytes are a whole record (checksum verified), not just the right length
         assert all(memoryview(g).nbytes == record_size(p) for g, (_, p) in zip(got, records))
-        return write_s, read_s
+        return write_seconds, read_seconds
     finally:
         adapter.close()
         shutil.rmtree(directory)

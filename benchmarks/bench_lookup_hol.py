@@ -2,7 +2,7 @@
 
 Two ``kvtier server`` subprocesses are measured one after the other in the same run, identical but for the L2
 adapter: a local_disk adapter wrapped by the fault-injecting adapter (``kvtier.l2.faulty``) with
-``latency_ms`` 0 (the baseline) and ``--delay-ms`` (default 100) on every call (put, get, contains, delete).
+``latency_seconds`` 0 (the baseline) and ``--delay-seconds`` (default 0.1) on every call (put, get, contains, delete).
 L1 holds about a quarter of the ``--prompts`` prompts (``--chunks`` chunks of 256 tokens each), so most
 prompts live only in L2. For ``--duration`` seconds, ``--clients`` client processes look up a random prompt
 every ``--interval-seconds`` (an L1 hit, an L2-only hit answered from the adapter's index, or, one time in
@@ -51,10 +51,10 @@ def kv_for(tokens: list[int]) -> np.ndarray:
     return np.full(LAYOUT.chunk_shape(len(tokens)), tokens[0] % 97, dtype=LAYOUT.numpy_dtype())
 
 
-def start_server(work: str, delay_ms: float, l1_bytes: int) -> KVTierServer:
-    """A ``kvtier server`` whose L2 (local disk) answers every call after ``delay_ms``."""
+def start_server(work: str, delay_seconds: float, l1_bytes: int) -> KVTierServer:
+    """A ``kvtier server`` whose L2 (local disk) answers every call after ``delay_seconds``."""
     disk = {"type": "local_disk", "path": f"{work}/l2-{time.monotonic_ns()}"}
-    spec = {"type": "faulty", "latency_seconds": delay_ms / 1000, "inner": disk}
+    spec = {"type": "faulty", "latency_seconds": delay_seconds, "inner": disk}
     return KVTierServer(Path(work), CHUNK, f"{l1_bytes}B", l2=spec, extra=("--log-level", "ERROR"),
                         startup_timeout_seconds=120)
 
@@ -94,10 +94,10 @@ def l2_loop(url: str, pool: list[list[int]], duration: float, seed: int, out) ->
     out.put(done)
 
 
-def measure(work: str, delay_ms: float, args, pool) -> dict:
+def measure(work: str, delay_seconds: float, args, pool) -> dict:
     chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
     l1_bytes = max(len(pool) * args.chunks * chunk_bytes // 4, 4 * args.chunks * chunk_bytes)
-    server = start_server(work, delay_ms, l1_bytes)
+    server = start_server(work, delay_seconds, l1_bytes)
     url = server.url
     try:
         with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=60) as setup:
@@ -122,16 +122,16 @@ def measure(work: str, delay_ms: float, args, pool) -> dict:
     lat = np.array([x for r in results for x in r[0]])
     hits = sum(r[1]["hit"] for r in results)
     misses = sum(r[1]["miss"] for r in results)
-    return {"delay_ms": delay_ms, "lookups": len(lat), "hits": hits, "misses": misses, "promoted": promoted,
+    return {"delay_seconds": delay_seconds, "lookups": len(lat), "hits": hits, "misses": misses, "promoted": promoted,
             "l2_loop": l2_done,
-            "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
-            "max_ms": float(lat.max() * 1e3)}
+            "p50_milliseconds": float(np.percentile(lat, 50) * 1e3), "p99_milliseconds": float(np.percentile(lat, 99) * 1e3),
+            "max_milliseconds": float(lat.max() * 1e3)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--delay-ms", type=float, default=100.0)
+    ap.add_argument("--delay-seconds", type=float, default=0.1)
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of client load per server")
     ap.add_argument("--interval-seconds", type=float, default=0.01, help="pause between a client's lookups")
     ap.add_argument("--prompts", type=int, default=64)
@@ -139,16 +139,16 @@ def main() -> None:
     args = ap.parse_args()
     pool = prompts(args.prompts, args.chunks)
     with tempfile.TemporaryDirectory(prefix="kvtier-hol-") as work:
-        rows = [measure(work, 0.0, args, pool), measure(work, args.delay_ms, args, pool)]
+        rows = [measure(work, 0.0, args, pool), measure(work, args.delay_seconds, args, pool)]
     for r in rows:
-        print(f"L2 delay {r['delay_ms']:5.0f} ms: {r['lookups']} lookups ({r['hits']} hits, {r['misses']} misses) "
-              f"p50 {r['p50_ms']:.3f} ms, p99 {r['p99_ms']:.3f} ms, max {r['max_ms']:.1f} ms; meanwhile "
+        print(f"L2 delay {r['delay_seconds'] * 1e3:5.0f} ms: {r['lookups']} lookups ({r['hits']} hits, {r['misses']} misses) "
+              f"p50 {r['p50_milliseconds']:.3f} ms, p99 {r['p99_milliseconds']:.3f} ms, max {r['max_milliseconds']:.1f} ms; meanwhile "
               f"{r['l2_loop']['retrieves']} retrieves promoted {r['promoted']:.0f} chunks and "
               f"{r['l2_loop']['stores']} prompts were stored")
     base, slow = rows
     print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-    print(f"ratio p99 delayed / baseline: {slow['p99_ms'] / base['p99_ms']:.2f}x; "
-          f"p99 with a {args.delay_ms:g} ms adapter: {slow['p99_ms']:.3f} ms (target <= 1 ms)")
+    print(f"ratio p99 delayed / baseline: {slow['p99_milliseconds'] / base['p99_milliseconds']:.2f}x; "
+          f"p99 with a {args.delay_seconds * 1e3:g} ms adapter: {slow['p99_milliseconds']:.3f} ms (target <= 1 ms)")
 
 
 if __name__ == "__main__":

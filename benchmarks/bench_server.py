@@ -137,10 +137,11 @@ def lookup_latency(args) -> dict:
         for label, prompts in (("same_prompt", same), ("fresh_prompts", fresh)):
             srv = timed(client.lookup, prompts)
             loc = timed(local.lookup, prompts)
-            res[label] = {"server_median_ms": 1e3 * statistics.median(srv),
-                          "server_p99_ms": 1e3 * sorted(srv)[int(0.99 * len(srv)) - 1],
-                          "inprocess_median_ms": 1e3 * statistics.median(loc)}
-            res[label]["added_by_server_ms"] = res[label]["server_median_ms"] - res[label]["inprocess_median_ms"]
+            server_median, inprocess_median = 1e3 * statistics.median(srv), 1e3 * statistics.median(loc)
+            res[label] = {"server_median_milliseconds": server_median,
+                          "server_p99_milliseconds": 1e3 * sorted(srv)[int(0.99 * len(srv)) - 1],
+                          "inprocess_median_milliseconds": inprocess_median,
+                          "added_by_server_milliseconds": server_median - inprocess_median}
         client.close()
         local.close()
     finally:
@@ -203,14 +204,14 @@ def expected_chunk(doc: int, index: int) -> np.ndarray:
     return _BASE[0] + np.float32(doc * 1000 + index)
 
 
-def worker(url: str, seed: int, duration_s: float, num_docs: int, queue, barrier) -> None:
+def worker(url: str, seed: int, duration_seconds: float, num_docs: int, queue, barrier) -> None:
     rng = np.random.default_rng(seed)
     stats = {"lookup": 0, "store": 0, "retrieve": 0, "chunks_verified": 0, "bad_chunks": 0, "errors": 0}
     client = Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=30)
     cache_chunks: dict[tuple[int, int], torch.Tensor] = {}
     expected_chunk(0, 0)
     barrier.wait()  # start together, after the imports
-    deadline = time.monotonic() + duration_s
+    deadline = time.monotonic() + duration_seconds
     while time.monotonic() < deadline:
         doc = int(rng.integers(num_docs))
         n_chunks = int(rng.integers(1, 5))
@@ -257,7 +258,7 @@ def mixed(args) -> dict:
     total = {k: sum(r[k] for r in results) for k in results[0]}
     total["ops_per_second"] = (total["lookup"] + total["store"] + total["retrieve"]) / args.duration
     total["clients"] = args.clients
-    total["duration_s"] = args.duration
+    total["duration_seconds"] = args.duration
     return total
 
 
@@ -288,9 +289,9 @@ def main() -> None:
     if "b" in parts:
         results["b_lookup"] = b = lookup_latency(args)
         for label, r in b.items():
-            print(f"(b) lookup 8192 tokens, {label}: server median {r['server_median_ms']:.3f} ms "
-                  f"(p99 {r['server_p99_ms']:.3f}), in-process {r['inprocess_median_ms']:.3f} ms -> "
-                  f"ratio to the 1 ms target {r['server_median_ms'] / 1.0:.2f}", flush=True)
+            print(f"(b) lookup 8192 tokens, {label}: server median {r['server_median_milliseconds']:.3f} ms "
+                  f"(p99 {r['server_p99_milliseconds']:.3f}), in-process {r['inprocess_median_milliseconds']:.3f} ms -> "
+                  f"ratio to the 1 ms target {r['server_median_milliseconds'] / 1.0:.2f}", flush=True)
     if "c" in parts:
         results["c_rss"] = c = server_rss(args)
         print(f"(c) server memory storing {c['stored_bytes'] / 1e9:.2f} GB into a {c['l1_bytes'] / 1e9:.2f} GB L1: peak "
@@ -299,7 +300,7 @@ def main() -> None:
               "(target <= 1)", flush=True)
     if "d" in parts:
         results["d_mixed"] = d = mixed(args)
-        print(f"(d) {d['clients']} clients x {d['duration_s']:.0f} s mixed: {d['ops_per_second']:.0f} ops/s, "
+        print(f"(d) {d['clients']} clients x {d['duration_seconds']:.0f} s mixed: {d['ops_per_second']:.0f} ops/s, "
               f"{d['chunks_verified']} chunks verified, bad chunks {d['bad_chunks']}, errors {d['errors']}, "
               f"unavailable {d['unavailable']:.0f} (target: all 0)", flush=True)
     print(json.dumps(results, indent=1))

@@ -97,11 +97,11 @@ def check(client: Client, doc: int, num_chunks: int) -> tuple[int, int]:
     return checked, wrong
 
 
-def worker(url: str, seed: int, duration_s: float, num_docs: int, slow: bool, queue) -> None:
+def worker(url: str, seed: int, duration_seconds: float, num_docs: int, slow: bool, queue) -> None:
     rng = random.Random(seed)
     client = Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=30)
     stats = {"stores": 0, "retrieves": 0, "checked": 0, "wrong_bytes": 0}
-    deadline = time.monotonic() + duration_s
+    deadline = time.monotonic() + duration_seconds
     try:
         while time.monotonic() < deadline:
             doc, num_chunks = rng.randrange(num_docs), 1 + rng.randrange(4)
@@ -182,7 +182,7 @@ def soak(args) -> dict:
 
 
 # ---- (b) flood ----------------------------------------------------------------------------------
-def hostile(url: str, seed: int, duration_s: float, prompt_tokens: int) -> None:
+def hostile(url: str, seed: int, duration_seconds: float, prompt_tokens: int) -> None:
     import zmq
 
     from kvtier.auth import apply_client, client_credentials
@@ -202,7 +202,7 @@ def hostile(url: str, seed: int, duration_s: float, prompt_tokens: int) -> None:
         return sock
 
     socks = [connect(MODEL, True), connect(MODEL, False)]
-    deadline = time.monotonic() + duration_s
+    deadline = time.monotonic() + duration_seconds
     i = 0
     while time.monotonic() < deadline:
         i += 1
@@ -283,8 +283,8 @@ def flood(args) -> dict:
     server.stop()
     lat = sorted(latencies)
     return {"duration_seconds": args.duration, "hostile_prompt_tokens": args.hostile_prompt_tokens,
-            "honest_lookups": len(lat), "honest_lookups_short": misses[0], "lookup_p50_ms": 1e3 * lat[len(lat) // 2],
-            "lookup_p99_ms": 1e3 * lat[int(len(lat) * 0.99)], "server_peak_rss_bytes": peak[0],
+            "honest_lookups": len(lat), "honest_lookups_short": misses[0], "lookup_p50_milliseconds": 1e3 * lat[len(lat) // 2],
+            "lookup_p99_milliseconds": 1e3 * lat[int(len(lat) * 0.99)], "server_peak_rss_bytes": peak[0],
             "rss_bound_bytes": l1_bytes + 300 * 10**6, "rss_within_bound": peak[0] <= l1_bytes + 300 * 10**6,
             "limits_hit": {k: v for k, v in metrics.items() if k.startswith(("kvtier_client_limit_exceeded_total",
                                                                               "kvtier_replies_dropped_total"))}}
@@ -318,8 +318,8 @@ def checks(args) -> dict:
     for s in servers.values():
         s.stop()
     med = {k: {op: statistics.median(v) for op, v in ops.items()} for k, ops in times.items()}
-    return {"lookup_median_ms": {k: 1e3 * m["lookup"] for k, m in med.items()},
-            "retrieve_median_ms": {k: 1e3 * m["retrieve"] for k, m in med.items()},
+    return {"lookup_median_milliseconds": {k: 1e3 * m["lookup"] for k, m in med.items()},
+            "retrieve_median_milliseconds": {k: 1e3 * m["retrieve"] for k, m in med.items()},
             "ratio_lookup_with_vs_without": med["without"]["lookup"] / med["with"]["lookup"],
             "ratio_retrieve_with_vs_without": med["without"]["retrieve"] / med["with"]["retrieve"]}
 

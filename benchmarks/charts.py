@@ -82,9 +82,9 @@ def multi_round_qa_chart(rows: list[dict], path: Path) -> None:
 def main() -> None:
     results = json.loads((HERE / "results.json").read_text())
     OUT.mkdir(parents=True, exist_ok=True)
-    bars(results["demo_ttft_s"], "SmolLM2-135M on CPU, 2,077-token prompt: time to first token", "seconds",
+    bars(results["demo_ttft_seconds"], "SmolLM2-135M on CPU, 2,077-token prompt: time to first token", "seconds",
          OUT / "demo_ttft.png")
-    bars(results["l2_restart_retrieve_s"], "2,048-token prefix (90 MiB) into an empty L1 vs cold prefill",
+    bars(results["l2_restart_retrieve_seconds"], "2,048-token prefix (90 MiB) into an empty L1 vs cold prefill",
          "seconds", OUT / "l2_restart.png")
     bars(results["ratios_vs_baseline"], "kvtier vs baseline measured in the same run (higher is better)",
          "ratio", OUT / "ratios.png", line=1.0)

@@ -45,16 +45,16 @@ def main() -> None:
             server.stop()
     cold = [r for r in decode if r["prompt"] < len(nomatch)]
     warm = [r for r in decode if r["prompt"] >= len(nomatch)]
-    cold_s = statistics.median(r["seconds"] for r in cold)
-    warm_s = statistics.median(r["seconds"] for r in warm)
+    cold_seconds = statistics.median(r["seconds"] for r in cold)
+    warm_seconds = statistics.median(r["seconds"] for r in warm)
     print(f"disaggregated prefill, {len(seen[0])}-token prompts, chunk {args.chunk_size}, "
           f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpu}, load average {os.getloadavg()[0]:.2f}")
     print(f"  prefill instance (kv_producer), TTFT median: {statistics.median(r['seconds'] for r in prefill):.3f} s")
-    print(f"  decode instance, prompts nobody prefilled (cold): {cold_s:.3f} s "
+    print(f"  decode instance, prompts nobody prefilled (cold): {cold_seconds:.3f} s "
           f"(cached tokens {[r['num_cached_tokens'] for r in cold]})")
-    print(f"  decode instance, prompts the prefill instance stored: {warm_s:.3f} s "
+    print(f"  decode instance, prompts the prefill instance stored: {warm_seconds:.3f} s "
           f"(cached tokens {[r['num_cached_tokens'] for r in warm]})")
-    print(f"RESULT decode TTFT / its cold TTFT = {warm_s / cold_s:.3f}x (target <= 0.2x)")
+    print(f"RESULT decode TTFT / its cold TTFT = {warm_seconds / cold_seconds:.3f}x (target <= 0.2x)")
 
 
 if __name__ == "__main__":

@@ -118,11 +118,11 @@ def run_system(name: str, spec: dict, work: Path, seen, nomatch, stamp: dict) ->
     rows = []
     for cond, records in measure(name, spec, work, seen, nomatch).items():
         secs = [r["seconds"] for r in records]
-        rows.append({"system": name, "condition": cond, "median_s": round(statistics.median(secs), 4),
-                     "min_s": round(min(secs), 4), "max_s": round(max(secs), 4),
+        rows.append({"system": name, "condition": cond, "median_seconds": round(statistics.median(secs), 4),
+                     "min_seconds": round(min(secs), 4), "max_seconds": round(max(secs), 4),
                      "cached_tokens": statistics.median(r["num_cached_tokens"] for r in records),
                      "load_1m": round(load_1m, 2), **stamp})
-        print(f"{name:18s} {cond:8s} {rows[-1]['median_s']:.3f} s [{rows[-1]['min_s']:.3f}-{rows[-1]['max_s']:.3f}] "
+        print(f"{name:18s} {cond:8s} {rows[-1]['median_seconds']:.3f} s [{rows[-1]['min_seconds']:.3f}-{rows[-1]['max_seconds']:.3f}] "
               f"cached {rows[-1]['cached_tokens']:.0f}", flush=True)
     return rows
 
@@ -134,7 +134,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     systems = list(dict.fromkeys(r["system"] for r in rows))
-    med = {(r["system"], r["condition"]): float(r["median_s"]) for r in rows}
+    med = {(r["system"], r["condition"]): float(r["median_seconds"]) for r in rows}
     fig, ax = plt.subplots(figsize=(11, 4.8))
     width = 0.85 / len(systems)
     for i, system in enumerate(systems):
@@ -152,7 +152,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def print_ratios(rows: list[dict]) -> None:
     """The issue's figures: kvtier fresh vs LMCache's best mode and vs vLLM's warm prefix cache; nothing to reuse."""
-    med = {(r["system"], r["condition"]): float(r["median_s"]) for r in rows}
+    med = {(r["system"], r["condition"]): float(r["median_seconds"]) for r in rows}
     cached = {(r["system"], r["condition"]): float(r["cached_tokens"]) for r in rows}
 
     def show(label: str, num: tuple, den: tuple, target: str) -> None:
