@@ -24,7 +24,7 @@ from kvtier.events import BlockStored, EventEmitter, EventPublisher, Subscriber
 from kvtier.hashing import prefix_hashes
 from kvtier.layout import KVLayout
 
-TARGET_EVENTS_PER_S = 100_000
+TARGET_EVENTS_PER_SECOND = 100_000
 
 
 def subscriber_main(endpoint: str, replay: str, num_events: int) -> None:
@@ -80,7 +80,7 @@ def bench_publisher(num_events: int) -> None:
     rate = num_events / elapsed
     print(f"(a) publisher -> subscriber process: {num_events} events (BlockStored, 16 tokens) in {elapsed:.3f} s "
           f"(publisher queue drained after {queue_drained_seconds:.3f} s) = {rate:,.0f} events/s; "
-          f"ratio vs {TARGET_EVENTS_PER_S:,}/s target: {rate / TARGET_EVENTS_PER_S:.2f}x")
+          f"ratio vs {TARGET_EVENTS_PER_SECOND:,}/s target: {rate / TARGET_EVENTS_PER_SECOND:.2f}x")
     ok = result["received"] == num_events and result["in_order"] and result["missed_batches"] == 0
     print(f"    subscriber: {result['received']} events, in order: {result['in_order']}, live batches "
           f"{result['live_batches']}, replayed batches {result['replayed_batches']}, lost {result['missed_batches']}"
