@@ -122,7 +122,7 @@ def test_a_lookup_completes_while_a_promotion_is_stuck(tmp_path):
 
 def test_disconnect_during_promotion_leaks_nothing(tmp_path):
     tokens, kv = prompt(5, 2)
-    with server(tmp_path, faulty(tmp_path, 1500, ["get"]), promote_timeout_seconds=30.0, lease_seconds=1.0) as srv:
+    with server(tmp_path, faulty(tmp_path, 1.5, ["get"]), promote_timeout_seconds=30.0, lease_seconds=1.0) as srv:
         with Client(srv.url, model="m", layout=LAYOUT) as client:
             only_in_l2(client, tokens, kv)
             # a client that says Bye while its promotion runs: the result pins nothing and is not sent
