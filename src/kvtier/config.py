@@ -183,6 +183,13 @@ class ServerConfig(_Section):
     max_inflight_requests_per_client: int = Field(64, gt=0)  # requests accepted and not yet answered
     max_unread_replies_per_client: int = Field(1000, gt=0)  # replies queued for a client that does not read
     max_unread_reply_bytes_per_client: int = Field(16 << 20, gt=0)  # KV frames queued for a client that does not read
+    # the same for all connections of one principal (its key, or with auth off its uid / IP: server/principals.py)
+    max_connections_per_principal: int = Field(256, gt=0)  # sessions open at once
+    max_reserved_fraction_per_principal: float = Field(0.5, gt=0, le=1)  # of L1: reservations + quarantined slots
+    max_leases_per_principal: int = Field(256, gt=0)
+    max_inflight_requests_per_principal: int = Field(256, gt=0)
+    max_unread_reply_bytes_per_principal: int = Field(64 << 20, gt=0)
+    max_reserved_fraction_all_clients: float = Field(0.75, gt=0, le=1)  # of L1, every client together
 
 
 class ConnectorConfig(_Section):

@@ -3,50 +3,18 @@ speaking the real protocol; an honest ``Client`` checks the server still serves 
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
-import zmq
-from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, authenticated, metric_value, wait_for
+from support.raw import Raw
+from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, metric_value, wait_for
 
 from kvtier import protocol as P
 from kvtier.client import Client
-from kvtier.client.dataplane import host_id
 
 
 def kv_for(tokens, seed):
     return torch.randn(LAYOUT.chunk_shape(len(tokens)), generator=torch.Generator().manual_seed(seed))
-
-
-class Raw:
-    """A client that sends what it likes and reads when it likes."""
-
-    def __init__(self, url: str, *, shm: bool = True, model: str = "m"):
-        self.ctx = zmq.Context()
-        self.sock = authenticated(self.ctx.socket(zmq.DEALER), url)
-        self.sock.setsockopt(zmq.RCVHWM, 1)  # unread replies stay on the server's side, as a client that stalls
-        self.sock.connect(url)
-        self.ids = iter(range(1, 1 << 30))
-        hello = self.ask(P.Hello(id=0, version=P.PROTOCOL_VERSION, model=model, layout=LAYOUT.to_dict(),
-                                 layout_id=LAYOUT.layout_id, host_id=host_id(), pid=os.getpid(), want_shm=shm))
-        assert isinstance(hello, P.HelloReply), hello
-
-    def send(self, msg) -> None:
-        msg.id = next(self.ids)
-        self.sock.send(P.encode(msg))
-
-    def recv(self, timeout_seconds: float = 30.0):
-        assert self.sock.poll(timeout_seconds * 1000), "no reply"
-        return P.decode_reply(self.sock.recv_multipart()[0])
-
-    def ask(self, msg):
-        self.send(msg)
-        return self.recv()
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 def tokens_of(i: int, num_chunks: int = 1) -> list[int]:

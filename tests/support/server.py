@@ -26,7 +26,8 @@ class ServerProc(KVTierServer):
                  shared_memory: bool = True):
         # test L1s hold a few chunks: let one client reserve all of it unless the test sets the share
         config = dict(config or {})
-        config["server"] = {"max_reserved_fraction_per_client": 1.0, **config.get("server", {})}
+        config["server"] = {"max_reserved_fraction_per_client": 1.0, "max_reserved_fraction_per_principal": 1.0,
+                            "max_reserved_fraction_all_clients": 1.0, **config.get("server", {})}
         flags = ("--lease-seconds", str(lease_seconds), *(["--no-shared-memory"] if not shared_memory else []), *extra)
         super().__init__(tmp_path, CHUNK, l1, port=port, config=config, token=token, extra=flags)
 

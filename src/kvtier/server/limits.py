@@ -1,10 +1,15 @@
 """What one client may hold in the server, and the quarantine of slots a late writer may still touch.
 
-Per-client bounds (``server.*_per_client``, ``server.max_prompt_tokens``; all off with ``server.client_limits:
-false``): a request past one is answered ``Error(code="limit_exceeded")`` (``too_large`` for a prompt) with a
-message naming the bound and the key that sets it, and counted in
-``kvtier_client_limit_exceeded_total{limit=...}``. Reserved bytes count the client's open store reservations
-plus its quarantined slots, so a client that keeps stalling past its leases only uses up its own share of L1.
+Bounds hold at three levels (all off with ``server.client_limits: false``): per client (one connection,
+``server.*_per_client``), per principal (every connection of one authenticated key: a tenant, or the server's
+own secret; ``server.*_per_principal``, ``server.max_connections_per_principal``; ``server/principals.py``), and
+for all clients together (``server.max_reserved_fraction_all_clients``), so a process that opens more connections
+does not get more of the server. Each session's ``ClientUsage`` has its principal's as ``parent``, whose parent
+is the server-wide one; every change is added along the chain. A request past a bound is answered
+``Error(code="limit_exceeded")`` (``too_large`` for a prompt over ``server.max_prompt_tokens``) with a message
+naming the bound and the key that raises it, and counted in ``kvtier_client_limit_exceeded_total{limit=...}``
+(``principal_`` / ``all_`` prefixes for the upper levels). Reserved bytes count open store reservations plus
+quarantined slots, so a client that keeps stalling past its leases only uses up its own share of L1.
 
 Quarantine (``Quarantine``): when a store lease expires the client may still be inside its copy (SIGSTOP, swap,
 a debugger), writing through its shared-memory mapping. Its slots leave the key space at once (the chunk never
@@ -49,12 +54,38 @@ def pid_start_time(pid: int) -> int | None:
 
 @dataclass(slots=True)
 class ClientUsage:
-    """What one session holds now (kept on ``Session``)."""
+    """What one session (or, as its ``parent``, one principal, and above that all clients) holds now. Change it
+    only through ``add`` / ``add_unread``, which keep every level of the chain in step."""
 
-    reserved_bytes: int = 0  # bytes of its open store reservations
-    leases: int = 0  # its open store and retrieve leases
-    inflight: int = 0  # its requests accepted and not yet answered (deferred replies)
+    reserved_bytes: int = 0  # bytes of open store reservations
+    quarantined_bytes: int = 0  # bytes of quarantined slots (expired stores the writer may still touch)
+    leases: int = 0  # open store and retrieve leases
+    inflight: int = 0  # requests accepted and not yet answered (deferred replies)
     unread: deque = field(default_factory=deque)  # (zmq.MessageTracker, nbytes) of KV frames sent, maybe unread
+    parent: ClientUsage | None = None  # the level above: the principal's usage, then all clients'
+    track_unread: bool = True  # False where no bound reads ``unread`` (all clients': it would only grow)
+    name: str = ""  # how refusals name this level ("" : the level's generic name, e.g. "this client")
+
+    def chain(self):
+        """This usage and every level above it, innermost first."""
+        usage = self
+        while usage is not None:
+            yield usage
+            usage = usage.parent
+
+    def add(self, *, reserved_bytes: int = 0, quarantined_bytes: int = 0, leases: int = 0, inflight: int = 0) -> None:
+        """Add (or, negative, remove) holdings at this level and every level above."""
+        for usage in self.chain():
+            usage.reserved_bytes += reserved_bytes
+            usage.quarantined_bytes += quarantined_bytes
+            usage.leases += leases
+            usage.inflight += inflight
+
+    def add_unread(self, tracker, nbytes: int) -> None:
+        """KV frames of ``nbytes`` were queued for this client; ``tracker.done`` once libzmq let go of them."""
+        for usage in self.chain():
+            if usage.track_unread:
+                usage.unread.append((tracker, nbytes))
 
     def unread_bytes(self) -> int:
         """Bytes of sent KV frames libzmq still holds (the client has not read them yet)."""
@@ -62,17 +93,50 @@ class ClientUsage:
             self.unread.popleft()
         return sum(nbytes for tracker, nbytes in self.unread if not tracker.done)
 
+    @property
+    def held_bytes(self) -> int:
+        """L1 bytes held: open reservations plus quarantined slots."""
+        return self.reserved_bytes + self.quarantined_bytes
+
+    @property
+    def idle(self) -> bool:
+        """Holds nothing (so its record may be forgotten)."""
+        return not (self.reserved_bytes or self.quarantined_bytes or self.leases or self.inflight
+                    or self.unread_bytes())
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The bounds of one level of the chain (None: unbounded) and the config keys that set them."""
+
+    who: str  # how refusals name the level when its usage has no name
+    label: str  # prefix of the kvtier_client_limit_exceeded_total{limit=...} label ("" for the client level)
+    suffix: str  # config key suffix: "_per_client", "_per_principal", "_all_clients"
+    reserved_bytes: int | None
+    leases: int | None = None
+    inflight: int | None = None
+    unread_bytes: int | None = None
+
 
 class ClientLimits:
-    """The per-client bounds of ``server`` config; each ``check_*`` returns None or the refusal message."""
+    """The per-client, per-principal and server-wide bounds of ``server`` config. Each ``check_*`` returns
+    None or (limit label, refusal message naming the bound and its config key)."""
 
     def __init__(self, srv: ServerConfig, l1_capacity_bytes: int):
         self.enabled = srv.client_limits
         self.max_prompt_tokens = srv.max_prompt_tokens
-        self.max_reserved_bytes = int(srv.max_reserved_fraction_per_client * l1_capacity_bytes)
-        self.max_leases = srv.max_leases_per_client
-        self.max_inflight = srv.max_inflight_requests_per_client
-        self.max_unread_bytes = srv.max_unread_reply_bytes_per_client
+        self.max_connections_per_principal = srv.max_connections_per_principal
+        self.levels = (
+            Bounds("this client", "", "_per_client", int(srv.max_reserved_fraction_per_client * l1_capacity_bytes),
+                   srv.max_leases_per_client, srv.max_inflight_requests_per_client,
+                   srv.max_unread_reply_bytes_per_client),
+            Bounds("this principal", "principal_", "_per_principal",
+                   int(srv.max_reserved_fraction_per_principal * l1_capacity_bytes), srv.max_leases_per_principal,
+                   srv.max_inflight_requests_per_principal, srv.max_unread_reply_bytes_per_principal),
+            Bounds("all clients together", "all_", "_all_clients",
+                   int(srv.max_reserved_fraction_all_clients * l1_capacity_bytes)),
+        )
+        self.max_reserved_bytes = self.levels[0].reserved_bytes
 
     def check_prompt(self, tokens_field: bytes) -> str | None:
         num_tokens = len(tokens_field) // 8
@@ -81,36 +145,51 @@ class ClientLimits:
                     "send a shorter prompt or raise the server's max_prompt_tokens")
         return None
 
-    def reserve_budget(self, usage: ClientUsage, quarantined_bytes: int) -> int | None:
-        """Bytes this client may still reserve (None: unbounded)."""
+    def reserve_budget(self, usage: ClientUsage) -> int | None:
+        """Bytes this client may still reserve: the least room left at any level (None: unbounded)."""
         if not self.enabled:
             return None
-        return max(0, self.max_reserved_bytes - usage.reserved_bytes - quarantined_bytes)
+        return max(0, min(b.reserved_bytes - u.held_bytes for u, b in zip(usage.chain(), self.levels)))
 
-    def reserved_refusal(self, usage: ClientUsage, quarantined_bytes: int) -> str:
-        return (f"this client holds {usage.reserved_bytes} reserved and {quarantined_bytes} quarantined bytes of "
-                f"L1, its bound is {self.max_reserved_bytes} (server.max_reserved_fraction_per_client of L1): "
-                "commit or abort open stores first")
+    def reserved_refusal(self, usage: ClientUsage) -> tuple[str, str]:
+        # the level with the least room (none may be quite full: the room left was less than one chunk)
+        u, b = min(zip(usage.chain(), self.levels), key=lambda ub: ub[1].reserved_bytes - ub[0].held_bytes)
+        return (b.label + "reserved_bytes",
+                f"{u.name or b.who} holds {u.reserved_bytes} reserved and {u.quarantined_bytes} quarantined bytes of L1, the "
+                f"bound is {b.reserved_bytes} (server.max_reserved_fraction{b.suffix} of L1): commit or abort open "
+                "stores first, or raise that key")
 
-    def check_leases(self, usage: ClientUsage) -> str | None:
-        if self.enabled and usage.leases >= self.max_leases:
-            return (f"this client holds {usage.leases} open leases, the bound (server.max_leases_per_client); "
-                    "end its stores (StoreCommit) and retrieves (RetrieveEnd) first")
+    def check_leases(self, usage: ClientUsage) -> tuple[str, str] | None:
+        return self._check(usage, "leases", "leases", "max_leases", "open leases",
+                           "end its stores (StoreCommit) and retrieves (RetrieveEnd) first")
+
+    def check_inflight(self, usage: ClientUsage) -> tuple[str, str] | None:
+        return self._check(usage, "inflight", "inflight_requests", "max_inflight_requests",
+                           "requests waiting for an answer", "wait for their replies")
+
+    def _check(self, usage, attr, label, key, what, fix) -> tuple[str, str] | None:
+        if not self.enabled:
+            return None
+        for u, b in zip(usage.chain(), self.levels):
+            bound = getattr(b, attr)
+            if bound is not None and getattr(u, attr) >= bound:
+                return (b.label + label, f"{u.name or b.who} has {getattr(u, attr)} {what}, the bound (server.{key}{b.suffix}); "
+                        f"{fix}, or raise that key")
         return None
 
-    def check_inflight(self, usage: ClientUsage) -> str | None:
-        if self.enabled and usage.inflight >= self.max_inflight:
-            return (f"this client has {usage.inflight} requests waiting for an answer, the bound "
-                    "(server.max_inflight_requests_per_client); wait for their replies")
-        return None
-
-    def check_unread(self, usage: ClientUsage, nbytes: int) -> str | None:
-        if not self.enabled or not usage.unread:
-            return None  # one reply always goes when nothing is queued
-        queued = usage.unread_bytes()
-        if queued and queued + nbytes > self.max_unread_bytes:
-            return (f"{queued} bytes of earlier replies to this client are still unread; with {nbytes} more it "
-                    f"would pass server.max_unread_reply_bytes_per_client ({self.max_unread_bytes}): read replies")
+    def check_unread(self, usage: ClientUsage, nbytes: int) -> tuple[str, str] | None:
+        """One reply always goes to a client (and a principal) with nothing queued."""
+        if not self.enabled:
+            return None
+        for u, b in zip(usage.chain(), self.levels):
+            if b.unread_bytes is None or not u.unread:
+                continue
+            queued = u.unread_bytes()
+            if queued and queued + nbytes > b.unread_bytes:
+                return (b.label + "unread_reply_bytes",
+                        f"{queued} bytes of earlier replies to {u.name or b.who} are still unread; with {nbytes} more it would "
+                        f"pass server.max_unread_reply_bytes{b.suffix} ({b.unread_bytes}): read replies, or raise "
+                        "that key")
         return None
 
 
@@ -121,6 +200,7 @@ class _Held:
     pid: int
     pid_start: int | None
     slots: list  # (L1 quarantine token, nbytes)
+    usage: ClientUsage  # the writer's: these bytes count against its bounds until freed
 
     @property
     def nbytes(self) -> int:
@@ -139,20 +219,16 @@ class Quarantine:
         self.l1 = l1
         self.metrics = metrics
         self._held: dict[tuple[bytes, int], _Held] = {}
-        self._bytes_of: dict[bytes, int] = {}
         self._next_sweep = 0.0
 
-    def add(self, identity: bytes, ticket: int, pid: int, pid_start: int | None, slots: list) -> None:
+    def add(self, identity: bytes, ticket: int, pid: int, pid_start: int | None, slots: list,
+            usage: ClientUsage) -> None:
         if not slots:
             return
-        held = _Held(identity, ticket, pid, pid_start, slots)
+        held = _Held(identity, ticket, pid, pid_start, slots, usage)
         self._held[(identity, ticket)] = held
-        self._bytes_of[identity] = self._bytes_of.get(identity, 0) + held.nbytes
+        usage.add(quarantined_bytes=held.nbytes)
         self._gauge()
-
-    def bytes_of(self, identity: bytes) -> int:
-        """Quarantined bytes of slots this connection was writing."""
-        return self._bytes_of.get(identity, 0)
 
     def release_ticket(self, identity: bytes, ticket: int) -> bool:
         """The client sent the late commit of ``ticket``: its copy is over. True when something was freed."""
@@ -184,11 +260,7 @@ class Quarantine:
     def _free(self, held: _Held, reason: str) -> None:
         for token, _ in held.slots:
             self.l1.free_quarantined(token)
-        left = self._bytes_of.get(held.identity, 0) - held.nbytes
-        if left > 0:
-            self._bytes_of[held.identity] = left
-        else:
-            self._bytes_of.pop(held.identity, None)
+        held.usage.add(quarantined_bytes=-held.nbytes)
         self.metrics.inc("kvtier_quarantine_released_total", len(held.slots), reason=reason)
         self._gauge()
 

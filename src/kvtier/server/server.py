@@ -34,9 +34,10 @@ from kvtier.client.dataplane import host_id
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
-from kvtier.server.auth import pick_port, server_keyring, tenant_of
+from kvtier.server.auth import pick_port, server_keyring
 from kvtier.server.promote import Job, Promoter
 from kvtier.server.limits import ClientLimits, ExpiryLog, Quarantine, pid_start_time
+from kvtier.server.principals import Principals, principal_of
 from kvtier.server.session import (
     HandshakeRefused,
     Lease,
@@ -127,6 +128,7 @@ class KVTierServer:
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
+        self.principals = Principals(self.limits)
         self.quarantine = Quarantine(self.tiers.l1, self.metrics)
         self._expiry_log = ExpiryLog()
         self.metrics.set("kvtier_connected_clients", 0)
@@ -185,7 +187,7 @@ class KVTierServer:
             return
         session = self.sessions.get(identity) if out else None
         if session is not None:  # KV frames: held by libzmq until the client reads them
-            session.usage.unread.append((out[-1].tracker, sum(len(f) for f in out)))
+            session.usage.add_unread(out[-1].tracker, sum(len(f) for f in out))
 
     def _handle(self, identity: bytes, header, payload: list) -> tuple[msgspec.Struct, list]:
         buf = header.buffer
@@ -201,14 +203,14 @@ class KVTierServer:
             if payload and not isinstance(msg, P.StoreCommit):
                 return self._err(msg, "bad_payload", f"{type(msg).__name__} takes no payload frames, got {len(payload)}"), []
             if isinstance(msg, P.Hello):
-                return self._hello(identity, msg, tenant_of(header)), []
+                return self._hello(identity, msg, principal_of(header, self.keyring is not None)), []
             session = self.sessions.get(identity)
             if session is None:
                 return self._err(msg, "no_session", "no session for this connection: send Hello first"), []
             session.last_seen = time.monotonic()
             refusal = self.limits.check_inflight(session.usage)
             if refusal:
-                return self._limited(msg, "inflight_requests", refusal), []
+                return self._limited(msg, *refusal), []
             tokens = getattr(msg, "tokens", None)
             if tokens is not None and (refusal := self.limits.check_prompt(tokens)):
                 self.metrics.inc("kvtier_client_limit_exceeded_total", limit="prompt_tokens")
@@ -230,8 +232,8 @@ class KVTierServer:
         return P.Error(id=msg.id, code="limit_exceeded", message=message)
 
     # ---- handshake -----------------------------------------------------------------------------
-    def _hello(self, identity: bytes, msg: P.Hello, auth: tuple[bool, str | None]):
-        authenticated, tenant = auth
+    def _hello(self, identity: bytes, msg: P.Hello, auth: tuple[bool, str | None, str]):
+        authenticated, tenant, principal = auth
         if not authenticated:  # every connection passes the ZAP handler; this one did not
             return self._err(msg, "unauthorized", "connection not authenticated by this server")
         try:
@@ -248,11 +250,12 @@ class KVTierServer:
             self.caches[cache_key] = cache
         # one mapping of the arena reaches every slot, so a tenant's bytes travel as frames
         shm = bool(self.shm_name) and msg.want_shm and msg.host_id == self.host_id and tenant is None
+        old = self.sessions.get(identity)  # a second Hello on one connection: what it holds stays counted
+        usage = old.usage if old is not None else self.principals.admit(identity, principal)
+        if isinstance(usage, tuple):
+            return self._limited(msg, *usage)
         session = Session(msg.model, namespace, layout.layout_id, cache, shm, msg.pid, time.monotonic(), tenant,
-                          pid_start_time(msg.pid) if shm else None)
-        old = self.sessions.get(identity)
-        if old is not None:  # a second Hello on one connection: what it holds stays counted
-            session.usage = old.usage
+                          pid_start_time(msg.pid) if shm else None, usage, principal)
         self.sessions[identity] = session
         self.metrics.set("kvtier_connected_clients", len(self.sessions))
         srv = self.config.server
@@ -268,6 +271,7 @@ class KVTierServer:
 
     def _on_Bye(self, identity, session, msg, payload):
         self.sessions.pop(identity, None)
+        self.principals.leave(identity)
         self.quarantine.release_client(identity)  # a client says Bye between calls, never inside a copy
         self._drop_idle_caches()
         self.metrics.set("kvtier_connected_clients", len(self.sessions))
@@ -287,8 +291,8 @@ class KVTierServer:
         if self.tiers.l2.flush(0):
             return P.FlushReply(id=msg.id, done=True), []
         # answered later by _expire, so a slow L2 never blocks the request loop
-        self._flushes.append((identity, msg.id, time.monotonic() + msg.timeout_seconds))
-        session.usage.inflight += 1
+        self._flushes.append((identity, msg.id, time.monotonic() + msg.timeout_seconds, session.usage))
+        session.usage.add(inflight=1)
         return None, []
 
     def _on_Lookup(self, identity, session, msg, payload):
@@ -302,14 +306,12 @@ class KVTierServer:
         nbytes = ticket.nbytes if kind == "store" else 0
         self.leases[tid] = Lease(kind, identity, session.cache, ticket, shm, started,
                                  started + self.config.server.lease_seconds, slots, session.usage, nbytes)
-        session.usage.leases += 1
-        session.usage.reserved_bytes += nbytes
+        session.usage.add(leases=1, reserved_bytes=nbytes)
         return tid
 
     def _pop_lease(self, tid: int) -> Lease:
         lease = self.leases.pop(tid)
-        lease.usage.leases -= 1
-        lease.usage.reserved_bytes -= lease.nbytes
+        lease.usage.add(leases=-1, reserved_bytes=-lease.nbytes)
         return lease
 
     def _frame_budget(self, slots) -> int:
@@ -326,13 +328,12 @@ class KVTierServer:
         shm = msg.shm and session.shm
         refusal = self.limits.check_leases(session.usage)
         if refusal:
-            return self._limited(msg, "leases", refusal), []
-        quarantined = self.quarantine.bytes_of(identity)
+            return self._limited(msg, *refusal), []
         ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                            extra_keys=msg.extra_keys, start=msg.start,
-                                           max_bytes=self.limits.reserve_budget(session.usage, quarantined))
+                                           max_bytes=self.limits.reserve_budget(session.usage))
         if ticket.limited and not ticket.slots:
-            return self._limited(msg, "reserved_bytes", self.limits.reserved_refusal(session.usage, quarantined)), []
+            return self._limited(msg, *self.limits.reserved_refusal(session.usage)), []
         if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store
             keep = self._frame_budget(ticket.slots)
             for slot in ticket.slots[keep:]:
@@ -444,7 +445,7 @@ class KVTierServer:
         cache = session.cache
         refusal = self.limits.check_leases(session.usage)
         if refusal and msg.shm and session.shm:
-            return self._limited(msg, "leases", refusal), []
+            return self._limited(msg, *refusal), []
         ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                       extra_keys=msg.extra_keys, promote=False, start=msg.start)
         shm = msg.shm and session.shm
@@ -453,7 +454,7 @@ class KVTierServer:
             refusal = self.limits.check_unread(session.usage, sum(s.nbytes for s in ticket.slots[:keep]))
             if refusal:
                 cache.end_retrieve(ticket)
-                return self._limited(msg, "unread_reply_bytes", refusal), []
+                return self._limited(msg, *refusal), []
             try:
                 slots = [P.Slot(s.ref.index, -1, s.nbytes) for s in ticket.slots[:keep]]
                 frames = [bytes(s.view) for s in ticket.slots[:keep]]  # copied before the pins go
@@ -483,7 +484,8 @@ class KVTierServer:
             if not ok and lease.shm and tid:  # expired: the client may still be writing into these slots
                 session = self.sessions.get(lease.identity)
                 pid, start = (session.pid, session.pid_start) if session is not None else (0, None)
-                self.quarantine.add(lease.identity, tid, pid, start, lease.cache.quarantine_store(lease.ticket))
+                self.quarantine.add(lease.identity, tid, pid, start, lease.cache.quarantine_store(lease.ticket),
+                                    lease.usage)
                 return 0
             return lease.cache.commit_store(lease.ticket, ok=ok)
         lease.cache.end_retrieve(lease.ticket)
@@ -504,13 +506,12 @@ class KVTierServer:
                 done = self.tiers.l2.flush(0)
                 for entry in [f for f in self._flushes if done or f[2] <= now]:
                     self._flushes.remove(entry)
-                    session = self.sessions.get(entry[0])
-                    if session is not None:
-                        session.usage.inflight -= 1
+                    entry[3].add(inflight=-1)  # also when the session is gone: its principal's count must drop
                     self._send(entry[0], P.FlushReply(id=entry[1], done=done))
             idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.session_idle_seconds]
             for identity in idle:
                 del self.sessions[identity]
+                self.principals.leave(identity)
             if idle:
                 self._drop_idle_caches()
                 self.metrics.set("kvtier_connected_clients", len(self.sessions))
@@ -549,8 +550,9 @@ class KVTierServer:
         with self.lock:
             now = time.monotonic()
             # namespaces are digests (keys.namespace_of): they show no cache_salt
-            clients = [{"model": s.model, "namespace": s.namespace, "tenant": s.tenant, "layout_id": s.layout_id,
-                        "pid": s.pid, "shared_memory": s.shm, "idle_seconds": round(now - s.last_seen, 3),
+            clients = [{"model": s.model, "namespace": s.namespace, "tenant": s.tenant, "principal": s.principal,
+                        "layout_id": s.layout_id, "pid": s.pid, "shared_memory": s.shm,
+                        "idle_seconds": round(now - s.last_seen, 3),
                         "reserved_bytes": s.usage.reserved_bytes, "leases": s.usage.leases}
                        for s in self.sessions.values()]
             leases = {"store": sum(1 for x in self.leases.values() if x.kind == "store"),

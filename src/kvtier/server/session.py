@@ -27,6 +27,7 @@ class Session:
     tenant: str | None = None  # None: full access (the server's own secret, or auth off)
     pid_start: int | None = None  # start time of process ``pid`` here (limits.pid_start_time); None: not visible
     usage: ClientUsage = field(default_factory=ClientUsage)  # what it holds, against server/limits.py bounds
+    principal: str = ""  # who it counts under (server/principals.py)
 
     def namespace_for(self, namespace: str | None) -> str | None:
         """A request's namespace as the server keys it (None: the session's default)."""

@@ -1,0 +1,135 @@
+"""Bounds per principal (issue 9 §3): a client that opens more connections gets no more of the server. The
+hostile client is a tenant holding its own key (``kvtier auth tenant``) and several raw connections; the
+honest one holds the server's own secret. Real server, real ZMQ."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from support.raw import Raw
+from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, metric_value
+
+from kvtier import protocol as P
+from kvtier.auth import add_tenant, tenant_credentials, write_private
+from kvtier.client import Client
+
+
+def kv_for(tokens, seed):
+    return torch.randn(LAYOUT.chunk_shape(len(tokens)), generator=torch.Generator().manual_seed(seed))
+
+
+def tokens_of(i: int, num_chunks: int = 1) -> list[int]:
+    return list(range(i * 100_000, i * 100_000 + num_chunks * CHUNK))
+
+
+def tenant_file(tmp_path, secrets, name: str):
+    out = tmp_path / f"{name}.yaml"
+    write_private(out, tenant_credentials(add_tenant(secrets, name), name))
+    return out
+
+
+def reserve_all(conns, first: int) -> tuple[int, list]:
+    """Store after store on every connection in turn, never committing, until each is refused.
+    Returns (chunks reserved, refusals)."""
+    reserved, refused, i = 0, [], first
+    live = list(conns)
+    while live:
+        for conn in list(live):
+            reply = conn.ask(P.StoreBegin(id=0, tokens=P.pack_tokens(tokens_of(i)), shm=False))
+            i += 1
+            if isinstance(reply, P.Error):
+                refused.append(reply)
+                live.remove(conn)
+            else:
+                reserved += len(reply.slots)
+    return reserved, refused
+
+
+def test_more_connections_reserve_no_more_and_honest_chunks_stay(tmp_path):
+    secrets = tmp_path / "secrets.yaml"
+    bad = tenant_file(tmp_path, secrets, "hostile")
+    bounds = {"max_reserved_fraction_per_client": 0.25, "max_reserved_fraction_per_principal": 0.5,
+              "max_reserved_fraction_all_clients": 0.75}
+    with ServerProc(tmp_path, l1=f"{16 * CHUNK_BYTES}B", config={"server": bounds},
+                    extra=("--auth-secret-file", str(secrets))) as server, \
+            Client(server.url, model="m", layout=LAYOUT, secret_file=secrets) as honest:
+        before = tokens_of(1, 4)
+        kv_before = kv_for(before, 1)
+        assert honest.store(before, kv_before) == 4
+        hostile = [Raw(server.url, secret_file=bad) for _ in range(4)]  # 4 x 1/4 of L1, were the bounds per connection
+        reserved, refused = reserve_all(hostile, first=10)
+        assert reserved == 8  # half of L1: its principal's share, not 4 x its connection's
+        assert {r.code for r in refused} == {"limit_exceeded"}
+        assert "max_reserved_fraction_per_principal" in refused[0].message and "tenant:hostile" in refused[0].message
+        assert server.status()["clients"][-1]["principal"] == "key:tenant:hostile"
+        # the honest client still stores (its own share), and nothing it committed was evicted
+        after = tokens_of(2, 4)
+        kv_after = kv_for(after, 2)
+        assert honest.store(after, kv_after) == 4
+        for tokens, kv in ((before, kv_before), (after, kv_after)):
+            out, n = honest.retrieve(tokens)
+            assert n == len(tokens) and torch.equal(out, kv)
+        assert metric_value(server.metrics_text(), "kvtier_client_limit_exceeded_total",
+                            limit="principal_reserved_bytes") == 4
+        for conn in hostile:
+            conn.close()
+
+
+def test_all_clients_together_keep_a_share_of_l1_free_of_reservations(tmp_path):
+    secrets = tmp_path / "secrets.yaml"
+    a, b = tenant_file(tmp_path, secrets, "a"), tenant_file(tmp_path, secrets, "b")
+    bounds = {"max_reserved_fraction_per_principal": 0.5, "max_reserved_fraction_all_clients": 0.75}
+    with ServerProc(tmp_path, l1=f"{16 * CHUNK_BYTES}B", config={"server": bounds},
+                    extra=("--auth-secret-file", str(secrets))) as server:
+        first, _ = reserve_all([Raw(server.url, secret_file=a)], first=10)
+        second, refused = reserve_all([Raw(server.url, secret_file=b)], first=100)
+        assert (first, second) == (8, 4)  # 12 of 16 chunks: three quarters of L1
+        assert "max_reserved_fraction_all_clients" in refused[0].message
+        assert metric_value(server.metrics_text(), "kvtier_client_limit_exceeded_total",
+                            limit="all_reserved_bytes") == 1
+
+
+def test_leases_are_bounded_per_principal(tmp_path):
+    secrets = tmp_path / "secrets.yaml"
+    bad = tenant_file(tmp_path, secrets, "hostile")
+    bounds = {"max_leases_per_client": 3, "max_leases_per_principal": 5}
+    with ServerProc(tmp_path, l1="1MB", config={"server": bounds},
+                    extra=("--auth-secret-file", str(secrets))) as server:
+        conns = [Raw(server.url, secret_file=bad) for _ in range(3)]
+        replies = [conn.ask(P.StoreBegin(id=0, tokens=P.pack_tokens(tokens_of(10 * i + j)), shm=False))
+                   for i in range(3) for j, conn in enumerate(conns)]
+        assert [type(r).__name__ for r in replies] == ["StoreSlots"] * 5 + ["Error"] * 4
+        assert "max_leases_per_principal" in replies[-1].message
+        done = conns[0].ask(P.StoreCommit(id=0, ticket=replies[0].ticket, ok=False))  # one lease ends: room again
+        assert isinstance(done, P.StoreDone)
+        assert isinstance(conns[2].ask(P.StoreBegin(id=0, tokens=P.pack_tokens(tokens_of(50)), shm=False)),
+                          P.StoreSlots)
+
+
+def test_connections_per_principal_are_bounded(tmp_path):
+    secrets = tmp_path / "secrets.yaml"
+    bad = tenant_file(tmp_path, secrets, "hostile")
+    with ServerProc(tmp_path, l1="1MB", config={"server": {"max_connections_per_principal": 3}},
+                    extra=("--auth-secret-file", str(secrets))) as server:
+        conns = [Raw(server.url, secret_file=bad) for _ in range(3)]
+        extra = Raw(server.url, secret_file=bad, check=False)
+        assert extra.hello.code == "limit_exceeded" and "max_connections_per_principal" in extra.hello.message
+        with Client(server.url, model="m", layout=LAYOUT, secret_file=secrets) as honest:  # another principal
+            assert honest.ping()
+        assert isinstance(conns[0].ask(P.Bye(id=0)), P.Ok)  # a session that ends frees its place
+        again = Raw(server.url, secret_file=bad)
+        assert isinstance(again.ask(P.Ping(id=0)), P.Ok)
+        for conn in [*conns, extra, again]:
+            conn.close()
+
+
+def test_without_auth_the_principal_is_the_peers_os_user(tmp_path):
+    with ServerProc(tmp_path, l1="1MB", config={"server": {"max_connections_per_principal": 2}},
+                    extra=("--no-auth",)) as server:
+        conns = [Raw(server.url, auth=False) for _ in range(2)]
+        assert {c["principal"] for c in server.status()["clients"]} == {f"uid:{os.getuid()}"}
+        third = Raw(server.url, auth=False, check=False)
+        assert third.hello.code == "limit_exceeded" and f"uid:{os.getuid()}" in third.hello.message
+        for conn in [*conns, third]:
+            conn.close()
