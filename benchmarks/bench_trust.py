@@ -182,10 +182,10 @@ def soak(args) -> dict:
 
 
 # ---- (b) flood ----------------------------------------------------------------------------------
-def hostile(url: str, seed: int, duration_seconds: float, prompt_tokens: int) -> None:
+def hostile(url: str, seed: int, duration_seconds: float, prompt_tokens: int, secret_file: str) -> None:
     import zmq
 
-    from kvtier.auth import apply_client, client_credentials
+    from kvtier.auth import apply_client, read_credentials
 
     rng = random.Random(seed)
     ctx = zmq.Context()
@@ -194,7 +194,7 @@ def hostile(url: str, seed: int, duration_seconds: float, prompt_tokens: int) ->
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, 1)
         sock.setsockopt(zmq.LINGER, 0)
-        apply_client(sock, client_credentials(url)[0])
+        apply_client(sock, read_credentials(secret_file))
         sock.connect(url)
         sock.send(P.encode(P.Hello(id=1, version=P.PROTOCOL_VERSION, model=model, layout=LAYOUT.to_dict(),
                                    layout_id=LAYOUT.layout_id, host_id=host_id(), pid=os.getpid(), want_shm=shm)))
@@ -231,15 +231,45 @@ def hostile(url: str, seed: int, duration_seconds: float, prompt_tokens: int) ->
 
 
 def flood(args) -> dict:
+    from kvtier.auth import add_tenant, tenant_credentials, write_private
+
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-flood-"))
     l1_bytes = 256 << 20
-    server = start_server(workdir, l1_bytes, {"server": {"max_prompt_tokens": args.hostile_prompt_tokens}}, lease_seconds=2)
-    seed_client = Client(server.url, model=MODEL, layout=LAYOUT)
+    # the hostile processes hold a tenant's key (another principal than the honest engines: the server's own)
+    secrets, bad = workdir / "secrets.yaml", workdir / "hostile.yaml"
+    write_private(bad, tenant_credentials(add_tenant(secrets, "hostile"), "hostile"))
+    server = start_server(workdir, l1_bytes, {"server": {"max_prompt_tokens": args.hostile_prompt_tokens,
+                                                         "auth_secret_file": str(secrets)}}, lease_seconds=2)
+    seed_client = Client(server.url, model=MODEL, layout=LAYOUT, secret_file=secrets)
     assert seed_client.store_chunks(tokens_of(0, 8), fill_for(0)) == 8
     honest_toks = tokens_of(1, 32)
     assert seed_client.store_chunks(honest_toks, fill_for(1)) == 32
+    latencies: list[float] = []
+    misses = [0]
+
+    def honest_loop(duration_seconds: float):
+        client = Client(server.url, model=MODEL, layout=LAYOUT, secret_file=secrets)
+        deadline = time.monotonic() + duration_seconds
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            if client.lookup(honest_toks) != 32 * CHUNK:
+                misses[0] += 1  # its chunks were evicted: the hostile clients' reservations took L1
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.005)
+        client.close()
+
+    def honest(duration_seconds: float) -> list[float]:
+        latencies.clear()
+        threads = [threading.Thread(target=honest_loop, args=(duration_seconds,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sorted(latencies)
+
+    base = honest(args.baseline_duration)  # the same server and clients, no flood: what this machine gives
     ctx = mp.get_context("spawn")
-    bad = [ctx.Process(target=hostile, args=(server.url, s, args.duration, args.hostile_prompt_tokens))
+    bad = [ctx.Process(target=hostile, args=(server.url, s, args.duration, args.hostile_prompt_tokens, str(bad)))
            for s in range(4)]
     for proc in bad:
         proc.start()
@@ -254,26 +284,9 @@ def flood(args) -> dict:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    latencies: list[float] = []
-    misses = [0]
-
-    def honest_loop():
-        client = Client(server.url, model=MODEL, layout=LAYOUT)
-        deadline = time.monotonic() + args.duration
-        while time.monotonic() < deadline:
-            t0 = time.perf_counter()
-            if client.lookup(honest_toks) != 32 * CHUNK:
-                misses[0] += 1  # its chunks were evicted: the hostile clients' reservations took L1
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.005)
-        client.close()
-
     time.sleep(1.0)  # let the flood start
-    threads = [threading.Thread(target=honest_loop) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    misses[0] = 0
+    lat = honest(args.duration - 2.0)
     for proc in bad:
         proc.join(60)
     stop.set()
@@ -281,10 +294,13 @@ def flood(args) -> dict:
     metrics = kvtier_series(server)
     seed_client.close()
     server.stop()
-    lat = sorted(latencies)
+    p99, base_p99 = lat[int(len(lat) * 0.99)], base[int(len(base) * 0.99)]
     return {"duration_seconds": args.duration, "hostile_prompt_tokens": args.hostile_prompt_tokens,
-            "honest_lookups": len(lat), "honest_lookups_short": misses[0], "lookup_p50_milliseconds": 1e3 * lat[len(lat) // 2],
-            "lookup_p99_milliseconds": 1e3 * lat[int(len(lat) * 0.99)], "server_peak_rss_bytes": peak[0],
+            "honest_lookups": len(lat), "honest_lookups_short": misses[0],
+            "lookup_p50_milliseconds": 1e3 * lat[len(lat) // 2], "lookup_p99_milliseconds": 1e3 * p99,
+            "baseline_lookups": len(base), "baseline_p50_milliseconds": 1e3 * base[len(base) // 2],
+            "baseline_p99_milliseconds": 1e3 * base_p99, "p99_ratio_flood_vs_baseline": p99 / base_p99,
+            "load_average": os.getloadavg(), "server_peak_rss_bytes": peak[0],
             "rss_bound_bytes": l1_bytes + 300 * 10**6, "rss_within_bound": peak[0] <= l1_bytes + 300 * 10**6,
             "limits_hit": {k: v for k, v in metrics.items() if k.startswith(("kvtier_client_limit_exceeded_total",
                                                                               "kvtier_replies_dropped_total"))}}
@@ -332,6 +348,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=40)
     ap.add_argument("--l1-chunks", type=int, default=24)
     ap.add_argument("--hostile-prompt-tokens", type=int, default=65536)
+    ap.add_argument("--baseline-duration", type=float, default=10.0, help="seconds of honest lookups before the flood")
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     parts = args.only or ["soak", "flood", "checks"]

@@ -194,15 +194,12 @@ class KVCache:
         """Validate ``tokens`` (and ``extra_keys``) and cut them into chunk refs: full chunks, and the partial
         tail only with ``save_unfull_chunk``. Blocks are hashed in a chain (``hashing.prefix_hashes``); a chunk's
         key is the digest of its last block. Raises InputError on bad tokens or extra keys."""
-        arr = as_token_array(tokens)
-        ns = self.namespace if namespace is None else namespace
-        cfg = self.config
-        bs, c = cfg.effective_block_size, cfg.chunk_size
-        extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), bs))
-        memo_key = (self.model, self._key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()), extra)
+        arr, ns, extra, memo_key = self._memo_key(tokens, namespace, extra_keys)
         refs = self._memo.get(memo_key)
         if refs is not None:
             return arr, refs
+        cfg = self.config
+        bs, c = cfg.effective_block_size, cfg.chunk_size
         end = len(arr) if cfg.save_unfull_chunk else len(arr) // c * c  # tokens that belong to a chunk
         digests = prefix_hashes(arr[:end], bs, cfg.hash_algorithm, cfg.hash_seed, extra, include_partial=True)
         blocks = PromptBlocks(bs, digests, None if extra is None else extra[:len(digests)])
@@ -213,6 +210,18 @@ class KVCache:
             refs.append(ChunkRef(i, key, start, stop, blocks))
         self._memo.put(memo_key, refs, len(digests), extra is not None)
         return arr, refs
+
+    def _memo_key(self, tokens, namespace, extra_keys) -> tuple:
+        arr = as_token_array(tokens)
+        ns = self.namespace if namespace is None else namespace
+        extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), self.config.effective_block_size))
+        return arr, ns, extra, (self.model, self._key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()),
+                                extra)
+
+    def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:
+        """Whether ``chunk_refs`` of this prompt would come from the lookup memo (no hashing). Raises
+        InputError as ``chunk_refs``."""
+        return self._memo.get(self._memo_key(tokens, namespace, extra_keys)[3]) is not None
 
     @property
     def chunk_size(self) -> int:

@@ -80,6 +80,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                "committed (seen when writing them to L2): not written, dropped from L1."),
     MetricSpec("kvtier_client_limit_exceeded_total", "counter", "Requests refused because the client reached a "
                "per-client bound (server.*_per_client, max_prompt_tokens), by bound.", ("limit",)),
+    MetricSpec("kvtier_prehashed_requests_total", "counter", "Requests whose long prompt was hashed on the "
+               "server's hashing worker before they were handled (server.hash_offload_min_tokens)."),
     MetricSpec("kvtier_replies_dropped_total", "counter", "Replies not queued because the client left or had "
                "server.max_unread_replies_per_client replies unread.", ("reason",)),
 )}

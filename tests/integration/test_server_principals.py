@@ -133,3 +133,26 @@ def test_without_auth_the_principal_is_the_peers_os_user(tmp_path):
         assert third.hello.code == "limit_exceeded" and f"uid:{os.getuid()}" in third.hello.message
         for conn in [*conns, third]:
             conn.close()
+
+
+def test_long_prompts_are_hashed_off_the_request_thread_and_answered_right(tmp_path):
+    config = {"server": {"hash_offload_min_tokens": 4 * CHUNK}}
+    with ServerProc(tmp_path, l1="1MB", config=config) as server, Client(server.url, model="m", layout=LAYOUT) as client:
+        short, long = tokens_of(1, 2), tokens_of(2, 8)
+        kv_short, kv_long = kv_for(short, 1), kv_for(long, 2)
+        assert client.store(short, kv_short) == 2
+        assert client.store(long, kv_long) == 8  # parked: hashed by the worker, then stored as usual
+        assert client.lookup(long) == 8 * CHUNK and client.lookup(long + tokens_of(3, 4)) == 8 * CHUNK
+        out, n = client.retrieve(long)
+        assert n == 8 * CHUNK and torch.equal(out, kv_long)
+        # two prompts parked: the first seen (store), and the longer one; repeats come from the memo
+        assert metric_value(server.metrics_text(), "kvtier_prehashed_requests_total") == 2
+        raw = Raw(server.url)
+        for i in range(4):  # pipelined: long new prompts and short ones, each answered under its own id
+            raw.send(P.Lookup(id=0, tokens=P.pack_tokens(tokens_of(10 + i, 8))))
+            raw.send(P.Lookup(id=0, tokens=P.pack_tokens(short)))
+        replies = {r.id: r for r in (raw.recv() for _ in range(8))}
+        ids = list(range(2, 10))  # 1 was the Hello's
+        assert sorted(replies) == ids
+        assert [replies[i].num_tokens for i in ids] == [0, 2 * CHUNK] * 4
+        raw.close()

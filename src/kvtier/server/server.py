@@ -35,6 +35,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
 from kvtier.server.auth import pick_port, server_keyring
+from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
 from kvtier.server.limits import ClientLimits, ExpiryLog, Quarantine, pid_start_time
 from kvtier.server.principals import Principals, principal_of
@@ -127,6 +128,8 @@ class KVTierServer:
         self._flushes: list[tuple[bytes, int, float]] = []  # deferred Flush replies: (identity, id, deadline)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
+        self.prehash = Prehasher(srv.hash_offload_min_tokens, srv.max_hash_jobs, srv.promote_timeout_seconds,
+                                  self.metrics)
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
         self.principals = Principals(self.limits)
         self.quarantine = Quarantine(self.tiers.l1, self.metrics)
@@ -142,6 +145,7 @@ class KVTierServer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.promoter.fileno(), zmq.POLLIN)
+        poller.register(self.prehash.fileno(), zmq.POLLIN)
         srv = self.config.server
         tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
         while not self.stopping.is_set():
@@ -154,7 +158,9 @@ class KVTierServer:
                         break
                     self._dispatch(frames)
                 self._answer_promotions(self.promoter.take_ready())
+                self._answer_hashed(self.prehash.take_ready())
             self._answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
+            self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
             self._expire()
         with self.lock:
             for ticket in list(self.leases):
@@ -199,6 +205,9 @@ class KVTierServer:
             return P.Error(id=P.salvage_id(buf), code="bad_request", message=f"invalid request: {exc}"), []
         except Exception as exc:  # noqa: BLE001 -- DecodeError, and whatever else hostile bytes provoke
             return P.Error(id=P.salvage_id(buf), code="malformed", message=f"undecodable header: {exc}"), []
+        return self._handle_msg(identity, msg, header, payload)
+
+    def _handle_msg(self, identity: bytes, msg, header, payload: list, hashed: bool = False):
         try:
             if payload and not isinstance(msg, P.StoreCommit):
                 return self._err(msg, "bad_payload", f"{type(msg).__name__} takes no payload frames, got {len(payload)}"), []
@@ -215,6 +224,8 @@ class KVTierServer:
             if tokens is not None and (refusal := self.limits.check_prompt(tokens)):
                 self.metrics.inc("kvtier_client_limit_exceeded_total", limit="prompt_tokens")
                 return self._err(msg, "too_large", refusal), []
+            if not hashed and (parked := self.prehash.park(identity, session, msg)):  # a long prompt: hashed first
+                return (None, []) if parked is True else (self._limited(msg, "hash_jobs", parked), [])
             handler = getattr(self, "_on_" + type(msg).__name__)
             return handler(identity, session, msg, payload)
         except KVTierError as exc:
@@ -423,6 +434,15 @@ class KVTierServer:
         for identity, reply, out in replies:
             self._send(identity, reply, out)
 
+    def _answer_hashed(self, jobs: list[Job], timed_out: bool = False) -> None:
+        """Handle requests whose long prompt the hashing worker has put in the memo (``server/prehash.py``)."""
+        for job in jobs:
+            with self.lock:
+                reply, out = (self._limited(job.msg, "hash_jobs", self.prehash.late(job)), []) if timed_out else \
+                    self._handle_msg(job.identity, job.msg, None, [], hashed=True)
+            if reply is not None:
+                self._send(job.identity, reply, out)
+
     def _on_Prefetch(self, identity, session, msg, payload):
         self.metrics.inc("kvtier_prefetch_requests_total")
         if self._promote_later(identity, session, msg):
@@ -566,6 +586,7 @@ class KVTierServer:
         unmap and unlink the shared L1. Returns False if L2 writes were still pending at the deadline."""
         self.stopping.set()
         self.promoter.close()
+        self.prehash.close()
         done = self.tiers.close(self.config.server.shutdown_timeout_seconds)
         if self._shm_lock is not None:
             os.close(self._shm_lock)

@@ -1,0 +1,159 @@
+"""Long prompts are hashed on a worker thread, so short requests are not queued behind them.
+
+Hashing a prompt (``KVCache.chunk_refs``) costs about 0.25 µs per token on the request thread; one hostile (or
+just long) prompt would hold every other client for that long. A request whose prompt has at least
+``server.hash_offload_min_tokens`` tokens and is not in the lookup memo is parked here instead: the worker
+computes its chunk refs (which puts them in the memo) and the request loop then handles the request as usual,
+now without hashing. The worker holds the GIL while it hashes, but the server's switch interval (0.5 ms) lets
+the request thread take it back between two requests.
+
+Fairness: parked requests are queued per principal and the worker takes them round-robin, so a principal
+flooding long prompts delays its own, not another's. Bounds: each parked request counts as in flight for its
+session and principal (``server.max_inflight_requests_*``); at most ``server.max_hash_jobs`` are parked in all
+(more: ``Error(limit_exceeded)``); one not hashed within ``server.promote_timeout_seconds`` is answered
+``Error(limit_exceeded)`` too (a miss for the client, never a stall for the others).
+
+Thread-safety: ``park``, ``take_ready``, ``take_expired`` and ``close`` are called by the request loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+
+from kvtier import protocol as P
+from kvtier.errors import KVTierError
+from kvtier.server.promote import Job
+
+log = logging.getLogger(__name__)
+
+
+class Prehasher:
+    """The hashing worker and its per-principal queues.
+
+    Args:
+        min_tokens: prompts at least this long (and not memoised) are parked (``server.hash_offload_min_tokens``).
+        max_jobs: requests parked at once (``server.max_hash_jobs``).
+        timeout_seconds: a parked request not hashed by then is refused (``server.promote_timeout_seconds``).
+        metrics: where ``kvtier_prehashed_requests_total`` counts the parked requests.
+    """
+
+    def __init__(self, min_tokens: int, max_jobs: int, timeout_seconds: float, metrics):
+        self.metrics = metrics
+        self.min_tokens = min_tokens
+        self.max_jobs = max_jobs
+        self.timeout_seconds = timeout_seconds
+        self._queues: OrderedDict[str, deque[Job]] = OrderedDict()  # principal -> parked jobs, rotated
+        self._cond = threading.Condition()
+        self._ready: deque[Job] = deque()
+        self.waiting: dict[int, Job] = {}  # id(job) -> job, parked and not answered
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._work, name="kvtier-prehash", daemon=True)
+        self._thread.start()
+
+    def fileno(self) -> int:
+        """A file descriptor readable when hashed requests are waiting (for ``zmq.Poller``)."""
+        return self._rfd
+
+    def park(self, identity: bytes, session, msg) -> bool | str:
+        """Park ``msg`` (a request with ``tokens``) when its prompt is long and not memoised: True (the caller
+        answers later, from ``take_ready``), False (handle it now), or a refusal message (too many parked)."""
+        tokens = getattr(msg, "tokens", None)
+        if tokens is None or len(tokens) // 8 < self.min_tokens:
+            return False
+        try:
+            if session.cache.memoised(P.unpack_tokens(tokens), session.namespace_for(msg.namespace),
+                                      extra_keys=msg.extra_keys):
+                return False
+        except KVTierError:
+            return False  # the handler answers the bad input
+        if len(self.waiting) >= self.max_jobs:
+            return (f"{len(self.waiting)} long prompts are waiting to be hashed, the bound (server.max_hash_jobs); "
+                    "retry later, or raise that key")
+        now = time.monotonic()
+        job = Job(identity, msg, session, now, now + self.timeout_seconds)
+        self.waiting[id(job)] = job
+        session.usage.add(inflight=1)
+        self.metrics.inc("kvtier_prehashed_requests_total")
+        with self._cond:
+            self._queues.setdefault(session.principal, deque()).append(job)
+            self._cond.notify()
+        return True
+
+    def _next(self) -> Job | None:
+        """The next job, round-robin over principals (call with the condition held)."""
+        while not self._queues and not self._stopped:
+            self._cond.wait()
+        if self._stopped:
+            return None
+        principal, queue = next(iter(self._queues.items()))
+        job = queue.popleft()
+        del self._queues[principal]
+        if queue:
+            self._queues[principal] = queue  # to the back of the rotation
+        return job
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                job = self._next()
+            if job is None:
+                return
+            try:
+                if not job.answered and time.monotonic() < job.deadline:
+                    msg, session = job.msg, job.session
+                    session.cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
+                                             extra_keys=msg.extra_keys)
+            except Exception:  # noqa: BLE001 -- bad input is answered by the handler; never a dead worker
+                log.debug("prehash failed", exc_info=True)
+            job.finished = True
+            self._ready.append(job)
+            try:
+                os.write(self._wfd, b"x")
+            except OSError:  # the pipe is full of wake-ups already, or closed by close()
+                pass
+
+    def take_ready(self) -> list[Job]:
+        """Hashed requests to handle now (their in-flight count released)."""
+        try:
+            while os.read(self._rfd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while self._ready:
+            job = self._ready.popleft()
+            if not job.answered:
+                out.append(self._done(job))
+        return out
+
+    def take_expired(self, now: float) -> list[Job]:
+        """Parked requests past their deadline (to refuse; their in-flight count released)."""
+        return [self._done(job) for job in list(self.waiting.values()) if job.deadline <= now and not job.answered]
+
+    def late(self, job: Job) -> str:
+        """The refusal of a parked request not hashed in time."""
+        return (f"the prompt of {len(job.msg.tokens) // 8} tokens was not hashed within "
+                f"server.promote_timeout_seconds ({self.timeout_seconds} s): {len(self.waiting)} long prompts wait; "
+                "retry later")
+
+    def _done(self, job: Job) -> Job:
+        job.answered = True
+        self.waiting.pop(id(job), None)
+        job.session.usage.add(inflight=-1)
+        return job
+
+    def close(self) -> None:
+        """Stop the worker (after the job it is on) and close the pipe."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(5.0)
+        for fd in (self._rfd, self._wfd):
+            os.close(fd)
