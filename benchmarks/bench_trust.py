@@ -239,6 +239,7 @@ def flood(args) -> dict:
     secrets, bad = workdir / "secrets.yaml", workdir / "hostile.yaml"
     write_private(bad, tenant_credentials(add_tenant(secrets, "hostile"), "hostile"))
     server = start_server(workdir, l1_bytes, {"server": {"max_prompt_tokens": args.hostile_prompt_tokens,
+                                                         "hash_offload_min_tokens": args.hash_offload_min_tokens,
                                                          "auth_secret_file": str(secrets)}}, lease_seconds=2)
     seed_client = Client(server.url, model=MODEL, layout=LAYOUT, secret_file=secrets)
     assert seed_client.store_chunks(tokens_of(0, 8), fill_for(0)) == 8
@@ -296,6 +297,7 @@ def flood(args) -> dict:
     server.stop()
     p99, base_p99 = lat[int(len(lat) * 0.99)], base[int(len(base) * 0.99)]
     return {"duration_seconds": args.duration, "hostile_prompt_tokens": args.hostile_prompt_tokens,
+            "hash_offload_min_tokens": args.hash_offload_min_tokens,
             "honest_lookups": len(lat), "honest_lookups_short": misses[0],
             "lookup_p50_milliseconds": 1e3 * lat[len(lat) // 2], "lookup_p99_milliseconds": 1e3 * p99,
             "baseline_lookups": len(base), "baseline_p50_milliseconds": 1e3 * base[len(base) // 2],
@@ -348,6 +350,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=40)
     ap.add_argument("--l1-chunks", type=int, default=24)
     ap.add_argument("--hostile-prompt-tokens", type=int, default=65536)
+    ap.add_argument("--hash-offload-min-tokens", type=int, default=4096,
+                    help="server.hash_offload_min_tokens (a huge value: every prompt hashed on the request thread)")
     ap.add_argument("--baseline-duration", type=float, default=10.0, help="seconds of honest lookups before the flood")
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
