@@ -94,6 +94,9 @@ def test_replies_a_client_never_reads_are_bounded(tmp_path):
         assert honest.ping()  # the server answers others meanwhile
         wait_for(lambda: metric_value(server.metrics_text(), "kvtier_client_limit_exceeded_total",
                                       limit="unread_reply_bytes"), what="unread replies to be refused")
+        # all 16 handled before the client reads (reading frees room, and later ones would then go through)
+        wait_for(lambda: metric_value(server.metrics_text(), "kvtier_retrieve_chunks_total") == 16 * num_chunks,
+                 what="every retrieve to be handled")
         replies = [hostile.recv() for _ in range(16)]
         data = [r for r in replies if isinstance(r, P.RetrieveData)]
         refused = [r for r in replies if isinstance(r, P.Error)]

@@ -19,14 +19,13 @@ Thread-safety: ``park``, ``take_ready``, ``take_expired`` and ``close`` are call
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict, deque
 
 from kvtier import protocol as P
 from kvtier.errors import KVTierError
-from kvtier.server.promote import Job
+from kvtier.server.promote import Job, Wakeup
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +49,14 @@ class Prehasher:
         self._cond = threading.Condition()
         self._ready: deque[Job] = deque()
         self.waiting: dict[int, Job] = {}  # id(job) -> job, parked and not answered
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
-        os.set_blocking(self._wfd, False)
+        self._wakeup = Wakeup()
         self._stopped = False
         self._thread = threading.Thread(target=self._work, name="kvtier-prehash", daemon=True)
         self._thread.start()
 
     def fileno(self) -> int:
         """A file descriptor readable when hashed requests are waiting (for ``zmq.Poller``)."""
-        return self._rfd
+        return self._wakeup.fileno()
 
     def park(self, identity: bytes, session, msg) -> bool | str:
         """Park ``msg`` (a request with ``tokens``) when its prompt is long and not memoised: True (the caller
@@ -114,18 +111,11 @@ class Prehasher:
                 log.debug("prehash failed", exc_info=True)
             job.finished = True
             self._ready.append(job)
-            try:
-                os.write(self._wfd, b"x")
-            except OSError:  # the pipe is full of wake-ups already, or closed by close()
-                pass
+            self._wakeup.notify()
 
     def take_ready(self) -> list[Job]:
         """Hashed requests to handle now (their in-flight count released)."""
-        try:
-            while os.read(self._rfd, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wakeup.drain()
         out = []
         while self._ready:
             job = self._ready.popleft()
@@ -155,5 +145,4 @@ class Prehasher:
             self._stopped = True
             self._cond.notify()
         self._thread.join(5.0)
-        for fd in (self._rfd, self._wfd):
-            os.close(fd)
+        self._wakeup.close()

@@ -33,6 +33,35 @@ from kvtier.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
+class Wakeup:
+    """A pipe a worker thread writes a byte to when it has results, for the request loop's ``zmq.Poller``."""
+
+    def __init__(self):
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+
+    def fileno(self) -> int:
+        return self._rfd
+
+    def notify(self) -> None:
+        try:
+            os.write(self._wfd, b"x")
+        except OSError:  # the pipe is full of wake-ups already, or closed by close()
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._rfd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self._rfd, self._wfd):
+            os.close(fd)
+
+
 @dataclass(eq=False)
 class Job:
     """One promotion a client waits for: who asked (routing ``identity``), the request, its session and deadline
@@ -62,9 +91,7 @@ class Promoter:
         self.metrics = metrics
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
-        os.set_blocking(self._wfd, False)
+        self._wakeup = Wakeup()
         self._lock = threading.Lock()
         self._in_flight = 0  # submitted and not finished (abandoned ones too: their worker may still be stuck)
         self.waiting: dict[int, Job] = {}  # id(job) -> job, submitted and not answered
@@ -75,7 +102,7 @@ class Promoter:
 
     def fileno(self) -> int:
         """A file descriptor readable when finished jobs are waiting (for ``zmq.Poller``)."""
-        return self._rfd
+        return self._wakeup.fileno()
 
     def submit(self, job: Job, fn: Callable[[], Any]) -> bool:
         """Queue ``fn`` for ``job``; False (nothing queued) when ``max_jobs`` are in flight."""
@@ -105,18 +132,11 @@ class Promoter:
                     self.metrics.set("kvtier_l2_promotions_in_flight", self._in_flight)
                 job.finished = True
                 self._ready.put(job)
-                try:
-                    os.write(self._wfd, b"x")
-                except OSError:  # the pipe is full of wake-ups already, or closed by close()
-                    pass
+                self._wakeup.notify()
 
     def take_ready(self) -> list[Job]:
         """Finished jobs still waiting for their answer (marked answered)."""
-        try:
-            while os.read(self._rfd, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wakeup.drain()
         out = []
         while True:
             try:
@@ -146,5 +166,4 @@ class Promoter:
         """Stop idle workers (busy ones are daemons and die with the process) and close the pipe."""
         for _ in self._threads:
             self._todo.put(None)
-        for fd in (self._rfd, self._wfd):
-            os.close(fd)
+        self._wakeup.close()

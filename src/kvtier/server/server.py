@@ -12,7 +12,8 @@ L2 writes, probes and clears run on ``L2Tier``'s own daemon threads. Caches are 
 each reservation or pin is a *lease* that expires after ``server.lease_seconds``: an expired store is
 aborted (its half-written chunk never becomes visible; its slots are quarantined while the client may still
 write into them, ``server/limits.py``) and an expired retrieve is unpinned (the client's late ``RetrieveEnd``
-gets ``lease_expired`` and discards what it copied). Per-client bounds: ``server/limits.py``.
+gets ``lease_expired`` and discards what it copied). Bounds per client, principal and in all: ``server/limits.py``;
+a long prompt is hashed on a worker before its request is handled (``server/prehash.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from kvtier.server.session import (
     Lease,
     Session,
     admin_refusal,
+    check_frames,
     check_hello,
+    frame_budget,
     handshake_values,
     scoped_namespace,
 )
@@ -325,15 +328,6 @@ class KVTierServer:
         lease.usage.add(leases=-1, reserved_bytes=-lease.nbytes)
         return lease
 
-    def _frame_budget(self, slots) -> int:
-        """How many leading slots fit in one message of ``max_message_bytes``."""
-        total, limit = 0, self.config.server.max_message_bytes
-        for i, slot in enumerate(slots):
-            total += slot.nbytes
-            if total > limit:
-                return i
-        return len(slots)
-
     def _on_StoreBegin(self, identity, session, msg, payload):
         started = time.monotonic()
         shm = msg.shm and session.shm
@@ -346,7 +340,7 @@ class KVTierServer:
         if ticket.limited and not ticket.slots:
             return self._limited(msg, *self.limits.reserved_refusal(session.usage)), []
         if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store
-            keep = self._frame_budget(ticket.slots)
+            keep = frame_budget(ticket.slots, self.config.server.max_message_bytes)
             for slot in ticket.slots[keep:]:
                 self.tiers.l1.abort(slot.ref.key)
             del ticket.slots[keep:]
@@ -375,7 +369,7 @@ class KVTierServer:
             return error, []
         ok = msg.ok
         if ok and not lease.shm:
-            problem = _check_frames(payload, lease.slots)
+            problem = check_frames(payload, lease.slots)
             if problem:
                 self._end_lease(lease, ok=False)
                 return self._err(msg, "bad_payload", problem), []
@@ -470,7 +464,7 @@ class KVTierServer:
                                       extra_keys=msg.extra_keys, promote=False, start=msg.start)
         shm = msg.shm and session.shm
         if not shm:
-            keep = self._frame_budget(ticket.slots)
+            keep = frame_budget(ticket.slots, self.config.server.max_message_bytes)
             refusal = self.limits.check_unread(session.usage, sum(s.nbytes for s in ticket.slots[:keep]))
             if refusal:
                 cache.end_retrieve(ticket)
@@ -598,11 +592,3 @@ class KVTierServer:
     def _refused(self, mechanism: str, address: str) -> None:
         self.metrics.inc("kvtier_auth_refused_total", socket="requests")
 
-
-def _check_frames(payload: list, slots: list) -> str:
-    if len(payload) != len(slots):
-        return f"expected {len(slots)} payload frames (one per slot), got {len(payload)}"
-    for i, (frame, slot) in enumerate(zip(payload, slots)):
-        if len(frame) != slot.nbytes:
-            return f"frame {i} holds {len(frame)} bytes; slot {slot.chunk_index} needs {slot.nbytes}"
-    return ""

@@ -115,3 +115,23 @@ def admin_refusal(config: KVTierConfig, token: str | None) -> str | None:
     if token is None or not hmac.compare_digest(token.encode(), srv.admin_token.get_secret_value().encode()):
         return "missing or wrong admin token"
     return None
+
+
+def frame_budget(slots, max_message_bytes: int) -> int:
+    """How many leading ``slots`` fit in one message of ``max_message_bytes`` (KV frames)."""
+    total = 0
+    for i, slot in enumerate(slots):
+        total += slot.nbytes
+        if total > max_message_bytes:
+            return i
+    return len(slots)
+
+
+def check_frames(payload: list, slots: list) -> str:
+    """Why a frames ``StoreCommit``'s ``payload`` does not fit its ``slots`` ("" when it does)."""
+    if len(payload) != len(slots):
+        return f"expected {len(slots)} payload frames (one per slot), got {len(payload)}"
+    for i, (frame, slot) in enumerate(zip(payload, slots)):
+        if len(frame) != slot.nbytes:
+            return f"frame {i} holds {len(frame)} bytes; slot {slot.chunk_index} needs {slot.nbytes}"
+    return ""
