@@ -54,10 +54,10 @@ def test_connections_per_principal_and_forgetting_idle_principals():
     limits, principals = setup(max_connections_per_principal=2)
     first = principals.admit(b"1", "p")
     principals.admit(b"2", "p")
-    refused = principals.admit(b"3", "p")
-    assert isinstance(refused, tuple) and refused[0] == "principal_connections"
-    assert "max_connections_per_principal" in refused[1]
-    assert not isinstance(principals.admit(b"x", "q"), tuple)  # another principal
+    assert principals.refusal(b"2", "p") is None  # a second Hello on a connection it has
+    refused = principals.refusal(b"3", "p")
+    assert refused[0] == "principal_connections" and "max_connections_per_principal" in refused[1]
+    assert principals.refusal(b"x", "q") is None  # another principal
     first.add(leases=1)
     principals.leave(b"1")
     principals.leave(b"2")

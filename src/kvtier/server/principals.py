@@ -88,19 +88,21 @@ class Principals:
         self._members: dict[str, set[bytes]] = {}
         self._of: dict[bytes, str] = {}
 
-    def admit(self, identity: bytes, principal: str) -> ClientUsage | tuple[str, str]:
-        """A new session's usage for connection ``identity``, or (limit label, refusal message) when
-        ``principal`` already has its maximum of sessions. (A second Hello on one connection keeps its usage.)"""
-        members = self._members.get(principal, set())
-        if identity not in members:
-            bound = self.limits.max_connections_per_principal
-            if self.limits.enabled and len(members) >= bound:
-                return ("principal_connections",
-                        f"this principal ({principal}) already has {len(members)} sessions open, the bound "
-                        "(server.max_connections_per_principal); close idle clients (they say Bye on close) or "
-                        "raise that key")
-            self._members.setdefault(principal, members).add(identity)
-            self._of[identity] = principal
+    def refusal(self, identity: bytes, principal: str) -> tuple[str, str] | None:
+        """(limit label, refusal message) when a new session of ``principal`` on connection ``identity`` would
+        pass ``max_connections_per_principal``; None when ``admit`` may be called."""
+        members = self._members.get(principal, ())
+        if identity in members or not self.limits.enabled or len(members) < self.limits.max_connections_per_principal:
+            return None
+        return ("principal_connections",
+                f"this principal ({principal}) already has {len(members)} sessions open, the bound "
+                "(server.max_connections_per_principal); close idle clients (they say Bye on close) or raise that key")
+
+    def admit(self, identity: bytes, principal: str) -> ClientUsage:
+        """A new session's usage for connection ``identity`` (check ``refusal`` first). A second Hello on one
+        connection keeps its session's usage instead."""
+        self._members.setdefault(principal, set()).add(identity)
+        self._of[identity] = principal
         usage = self._usage.get(principal)
         if usage is None:
             usage = self._usage[principal] = ClientUsage(parent=self.all, name=f"principal {principal} (all its "

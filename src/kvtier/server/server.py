@@ -254,6 +254,10 @@ class KVTierServer:
             layout = check_hello(msg, self.config, self.tiers.l1.capacity_bytes)
         except HandshakeRefused as exc:
             return self._err(msg, exc.code, str(exc))
+        old = self.sessions.get(identity)  # a second Hello on one connection: what it holds stays counted
+        refusal = None if old is not None else self.principals.refusal(identity, principal)
+        if refusal:  # before a cache is made for it
+            return self._limited(msg, *refusal)
         namespace = scoped_namespace(tenant, msg.namespace)
         cache_key = (msg.model, layout.layout_id, namespace)
         cache = self.caches.get(cache_key)
@@ -264,10 +268,7 @@ class KVTierServer:
             self.caches[cache_key] = cache
         # one mapping of the arena reaches every slot, so a tenant's bytes travel as frames
         shm = bool(self.shm_name) and msg.want_shm and msg.host_id == self.host_id and tenant is None
-        old = self.sessions.get(identity)  # a second Hello on one connection: what it holds stays counted
         usage = old.usage if old is not None else self.principals.admit(identity, principal)
-        if isinstance(usage, tuple):
-            return self._limited(msg, *usage)
         session = Session(msg.model, namespace, layout.layout_id, cache, shm, msg.pid, time.monotonic(), tenant,
                           pid_start_time(msg.pid) if shm else None, usage, principal)
         self.sessions[identity] = session
