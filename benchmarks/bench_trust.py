@@ -7,10 +7,12 @@
     SIGKILLed and restarted. Then the server is stopped (L2 writes finished), a new one is started on the same
     L2, and every document is read back from L2 and checked. Figures: wrong bytes returned, wrong bytes in L2
     (both must be 0), and how many stalls, kills, expired leases and quarantine releases happened.
-(b) flood: 2 honest clients time lookups of a stored 2,048-token prompt while 4 hostile processes loop over the
-    §3 cases (stores never committed, retrieves never ended, frames retrieves never read, prompts of
-    ``--hostile-prompt-tokens`` tokens, a Hello per new model name). Figures: honest lookup p50/p99 (target p99
-    <= 2 ms) and the server's peak RSS against L1 + 300 MB.
+(b) flood: 2 honest clients (the server's own key) time lookups of a stored 2,048-token prompt, first alone for
+    ``--baseline-duration`` seconds (the same-run baseline), then while 4 hostile processes holding a tenant's key
+    (another principal) loop over the §3 cases (stores never committed, retrieves never ended, frames retrieves
+    never read, prompts of ``--hostile-prompt-tokens`` tokens, a new connection and Hello per new model name).
+    Figures: honest lookup p50/p99 (target p99 <= 2 ms) and its ratio to the baseline's, honest lookups that came
+    back short (evicted chunks), the server's peak RSS against L1 + 300 MB.
 (c) checks: lookup (memoised 8,192-token prompt) and shared-memory retrieve of 8 chunks against two servers in
     the same run, one with the per-client bounds (default) and one with ``server.client_limits: false``,
     alternating; ratio with / without (target >= 0.95).
