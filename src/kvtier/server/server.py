@@ -128,7 +128,7 @@ class KVTierServer:
         self.leases: dict[int, Lease] = {}
         self._expired: deque[int] = deque(maxlen=4096)  # recently expired tickets: "lease_expired", not "unknown"
         self._next_ticket = 1
-        self._flushes: list[tuple[bytes, int, float]] = []  # deferred Flush replies: (identity, id, deadline)
+        self._flushes: list[tuple] = []  # deferred Flush replies: (identity, id, deadline, usage)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
         self.prehash = Prehasher(srv.hash_offload_min_tokens, srv.max_hash_jobs, srv.promote_timeout_seconds,
