@@ -8,7 +8,7 @@
     L2, and every document is read back from L2 and checked. Figures: wrong bytes returned, wrong bytes in L2
     (both must be 0), and how many stalls, kills, expired leases and quarantine releases happened.
 (b) flood: 2 honest clients (the server's own key) time lookups of a stored 2,048-token prompt, first alone for
-    ``--baseline-duration`` seconds (the same-run baseline), then while 4 hostile processes holding a tenant's key
+    ``--baseline-seconds`` (the same-run baseline), then while 4 hostile processes holding a tenant's key
     (another principal) loop over the §3 cases (stores never committed, retrieves never ended, frames retrieves
     never read, prompts of ``--hostile-prompt-tokens`` tokens, a new connection and Hello per new model name).
     Figures: honest lookup p50/p99 (target p99 <= 2 ms) and its ratio to the baseline's, honest lookups that came
@@ -270,7 +270,7 @@ def flood(args) -> dict:
             t.join()
         return sorted(latencies)
 
-    base = honest(args.baseline_duration)  # the same server and clients, no flood: what this machine gives
+    base = honest(args.baseline_seconds)  # the same server and clients, no flood: what this machine gives
     ctx = mp.get_context("spawn")
     bad = [ctx.Process(target=hostile, args=(server.url, s, args.duration, args.hostile_prompt_tokens, str(bad)))
            for s in range(4)]
@@ -354,7 +354,7 @@ def main() -> None:
     ap.add_argument("--hostile-prompt-tokens", type=int, default=65536)
     ap.add_argument("--hash-offload-min-tokens", type=int, default=4096,
                     help="server.hash_offload_min_tokens (a huge value: every prompt hashed on the request thread)")
-    ap.add_argument("--baseline-duration", type=float, default=10.0, help="seconds of honest lookups before the flood")
+    ap.add_argument("--baseline-seconds", type=float, default=10.0, help="seconds of honest lookups before the flood")
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     parts = args.only or ["soak", "flood", "checks"]
