@@ -175,6 +175,9 @@ class ServerConfig(_Section):
     promote_timeout_seconds: float = Field(5.0, gt=0)  # a promotion not done by then is answered from L1 alone
     promote_threads: int = Field(4, ge=1, le=256)  # worker threads of the promotion pool
     max_promotions: int = Field(64, ge=1)  # promotions queued or running; more are answered from L1 alone
+    # a lookup its L1 + L2 indexes answer short, over an L2 other servers write to, waits this long for an L2
+    # probe on the promotion pool (server/lookup.py); 0: the indexes' answer at once
+    lookup_probe_timeout_seconds: float = Field(0.1, ge=0)
     # per-client bounds (server/limits.py); client_limits false turns them off (one trusted engine)
     client_limits: Bool = True
     max_prompt_tokens: int = Field(1 << 20, gt=0)  # tokens in one Lookup / StoreBegin / RetrieveBegin

@@ -40,6 +40,13 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_l2_promotions_refused_total", "counter", "Server promotions not started because "
                "server.max_promotions were already in flight: answered from L1 alone."),
     MetricSpec("kvtier_l2_promotions_in_flight", "gauge", "Server promotions queued or running on the pool."),
+    MetricSpec("kvtier_lookup_probes_total", "counter", "Server lookups that waited for an L2 probe (their L1 and "
+               "L2 indexes answered short over an L2 other servers write to; server.lookup_probe_timeout_seconds)."),
+    MetricSpec("kvtier_lookup_probe_timeouts_total", "counter", "Server lookup probes not done within "
+               "server.lookup_probe_timeout_seconds: answered from L1 and the L2 indexes."),
+    MetricSpec("kvtier_lookup_probes_skipped_total", "counter", "Server lookups answered from L1 and the L2 indexes "
+               "without the probe they called for: stuck (an earlier probe still hangs in an adapter) or pool_full "
+               "(server.max_promotions in flight).", ("reason",)),
     MetricSpec("kvtier_l2_probes_skipped_total", "counter", "Lookups past the L2 index whose background probe "
                "was skipped because too many probes were queued."),
     MetricSpec("kvtier_prefetch_requests_total", "counter",

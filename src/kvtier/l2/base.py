@@ -50,6 +50,10 @@ class L2Adapter(ABC):
     """
 
     config_class: type[AdapterConfig] = AdapterConfig
+    # True where other writers (another kvtier server sharing the Redis, bucket or container) store records this
+    # adapter's in-memory index learns of only through I/O: a server then probes it before answering a lookup
+    # that its indexes answer short (server.lookup_probe_timeout_seconds). False: this process sees every write.
+    index_may_lag: bool = False
 
     def __init__(self, config: AdapterConfig):
         self.config = config

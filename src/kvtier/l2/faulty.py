@@ -114,6 +114,10 @@ class FaultyAdapter(L2Adapter):
         self._before("contains")
         return self.inner.contains(names)
 
+    @property
+    def index_may_lag(self) -> bool:
+        return self.inner.index_may_lag
+
     def indexed(self, names: Sequence[str]) -> list[bool] | None:
         return self.inner.indexed(names)  # in memory: no I/O to delay or fail
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kvtier.l2.base import L2Adapter
@@ -24,6 +25,8 @@ from kvtier.metrics import Metrics
 log = logging.getLogger(__name__)
 MAX_PROBES = 16  # probe batches waiting; more lookups past the index are not probed (counted)
 PROBE_NAMES = 32  # names asked per probe: the leading ones past the index
+FRESH_MISS_SECONDS = 1.0  # a name I/O found missing this recently is not probed again in the background
+MAX_FRESH_MISSES = 65536  # names remembered as freshly missing (forgotten all at once past it)
 
 # (adapter, op, names, missing value) -> one result per name; L2Tier._per_name (errors become misses + metric)
 PerName = Callable[[L2Adapter, str, list, object], list]
@@ -47,13 +50,17 @@ class L2Index:
         self._own: dict[int, set[str]] = {i: set() for i, a in enumerate(self.adapters) if a.indexed([]) is None}
         self._probes: queue.Queue = queue.Queue()
         self._probing: set[str] = set()  # names queued for a probe (no duplicates)
+        # name -> time.monotonic() when probe_now found no adapter holding it: the background probe a lookup
+        # queues right after a foreground one (server/lookup.py) would only ask the same question again
+        self._missed: dict[str, float] = {}
         if self.adapters:
             threading.Thread(target=self._prober, name="kvtier-l2-probe", daemon=True).start()
         if self._own:
             threading.Thread(target=self._fill_own, name="kvtier-l2-index", daemon=True).start()
 
-    def held(self, names: list[str]) -> int:
-        """How many leading ``names`` some adapter's index holds (no I/O); probes the names past them."""
+    def held(self, names: list[str], probe: bool = True) -> int:
+        """How many leading ``names`` some adapter's index holds (no I/O); with ``probe``, probes the names past
+        them in the background."""
         present = [False] * len(names)
         for i, adapter in enumerate(self.adapters):
             missing = [j for j, p in enumerate(present) if not p]
@@ -62,7 +69,7 @@ class L2Index:
             for j, hit in zip(missing, self._indexed(i, adapter, [names[j] for j in missing])):
                 present[j] = present[j] or bool(hit)
         count = _leading(present)
-        if count < len(names):
+        if probe and count < len(names):
             self._probe(names[count:count + PROBE_NAMES])
         return count
 
@@ -79,6 +86,15 @@ class L2Index:
             self.note(adapter, [n for n, hit in zip(asked, found) if hit], True)
             for i, hit in zip(missing, found):
                 present[i] = present[i] or bool(hit)
+        now = time.monotonic()
+        with self._lock:
+            if len(self._missed) > MAX_FRESH_MISSES:
+                self._missed.clear()
+            for name, hit in zip(names, present):
+                if hit:
+                    self._missed.pop(name, None)
+                else:
+                    self._missed[name] = now
         return _leading(present)
 
     def note(self, adapter: L2Adapter, names, present: bool) -> None:
@@ -115,8 +131,9 @@ class L2Index:
             return [False] * len(names)
 
     def _probe(self, names: list[str]) -> None:
+        now = time.monotonic()
         with self._lock:
-            names = [n for n in names if n not in self._probing]
+            names = [n for n in names if n not in self._probing and now - self._missed.get(n, -1e9) > FRESH_MISS_SECONDS]
             if not names:
                 return
             if self._probes.qsize() >= MAX_PROBES:

@@ -158,6 +158,7 @@ class RemoteAdapter(L2Adapter):
     """
 
     config: RemoteConfig
+    index_may_lag = True  # a service: other servers write into the same prefix
 
     def __init__(self, config: RemoteConfig, secrets: Iterable[str | None]):
         super().__init__(config)

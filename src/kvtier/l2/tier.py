@@ -134,15 +134,28 @@ class L2Tier:
                 return [missing]
         return [self._call(adapter, op, fn, [name], default=[missing])[0] for name in names]
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+    def lookup(self, keys: Sequence[ChunkKey], probe: bool = True) -> int:
         """How many leading ``keys`` some adapter holds. With ``index_lookups``: from the in-memory indexes only
-        (no I/O, never blocks on an adapter); names past the indexed prefix are probed in the background
-        (``contains``), so a record another writer stored is counted by a later lookup. Otherwise: asking the
-        adapters. 0 while a ``clear_async`` is pending."""
+        (no I/O, never blocks on an adapter); with ``probe``, names past the indexed prefix are probed in the
+        background (``contains``), so a record another writer stored is counted by a later lookup. Otherwise:
+        asking the adapters. 0 while a ``clear_async`` is pending."""
         if not keys or not self.adapters or self._clearing:
             return 0
         names = [k.name() for k in keys]
-        return self.index.held(names) if self.index_lookups else self.index.probe_now(names)
+        return self.index.held(names, probe) if self.index_lookups else self.index.probe_now(names)
+
+    @property
+    def index_may_lag(self) -> bool:
+        """Some adapter's index can miss what other writers stored (``L2Adapter.index_may_lag``)."""
+        return any(adapter.index_may_lag for adapter in self.adapters)
+
+    def probe(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading ``keys`` some adapter holds, asking the adapters (``contains``: I/O, may block as
+        long as an adapter does; never on a request thread). What they find joins their indexes, so a
+        following ``lookup`` counts it. Errors are misses plus ``kvtier_l2_errors_total``."""
+        if not keys or not self.adapters or self._clearing:
+            return 0
+        return self.index.probe_now([k.name() for k in keys])
 
     def read(self, keys: Sequence[ChunkKey], token_ids: Sequence[list[int]]) -> list[memoryview]:
         """Verified payloads of the leading ``keys`` found in any adapter (stops at the first miss).

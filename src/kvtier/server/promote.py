@@ -20,6 +20,7 @@ workers touch the job's ``fn`` and the ready queue. L1 and L2 are thread-safe on
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -155,6 +156,14 @@ class Promoter:
             job.answered = True
             del self.waiting[id(job)]
         return out
+
+    def poll_ms(self, tick_ms: int) -> int:
+        """How long the request loop may wait for input: ``tick_ms``, or less, up to the earliest deadline of a
+        waiting job (so a short deadline, e.g. a lookup's probe, is answered on time)."""
+        if not self.waiting:
+            return tick_ms
+        left = min(job.deadline for job in self.waiting.values()) - time.monotonic()
+        return max(0, min(tick_ms, math.ceil(left * 1000)))
 
     @property
     def in_flight(self) -> int:

@@ -2,7 +2,8 @@
 
 Threading model: one request thread runs ``serve_forever``: a ZMQ ROUTER answers the requests of
 ``kvtier.protocol`` under ``self.lock`` (shared with the admin HTTP thread), and never waits for L2 I/O.
-Lookups read L1 and the L2 adapters' in-memory indexes (``L2Tier.lookup``); a retrieve whose prompt
+Lookups read L1 and the L2 adapters' in-memory indexes (``L2Tier.lookup``; one they answer short over an L2
+that other servers write to waits for a probe on the pool, ``server/lookup.py``); a retrieve whose prompt
 continues into L2-only chunks, and every ``Prefetch``, is handed to the promotion pool
 (``kvtier.server.promote``) and answered by the request thread when the pool finishes or when
 ``server.promote_timeout_seconds`` passes (then from L1 alone: the rest is a miss); ``Flush`` is answered
@@ -36,6 +37,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
 from kvtier.server.auth import pick_port, server_keyring
+from kvtier.server.lookup import LookupProber
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
 from kvtier.server.limits import ClientLimits, ExpiryLog, Quarantine, pid_start_time
@@ -133,6 +135,7 @@ class KVTierServer:
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
         self.prehash = Prehasher(srv.hash_offload_min_tokens, srv.max_hash_jobs, srv.promote_timeout_seconds,
                                   self.metrics)
+        self.lookups = LookupProber(self.tiers, self.promoter, srv.lookup_probe_timeout_seconds, self.metrics)
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
         self.principals = Principals(self.limits)
         self.quarantine = Quarantine(self.tiers.l1, self.metrics)
@@ -153,7 +156,7 @@ class KVTierServer:
         tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
         while not self.stopping.is_set():
             self.heartbeat = time.monotonic()
-            if poller.poll(tick_milliseconds):
+            if poller.poll(self.promoter.poll_ms(tick_milliseconds)):  # woken at a deferred request's deadline
                 for _ in range(MAX_BATCH):
                     try:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -310,10 +313,8 @@ class KVTierServer:
         session.usage.add(inflight=1)
         return None, []
 
-    def _on_Lookup(self, identity, session, msg, payload):
-        hits = session.cache.lookup_tiers(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                          extra_keys=msg.extra_keys, start=msg.start)
-        return P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens), []
+    def _on_Lookup(self, identity, session, msg, payload):  # deferred only to probe a shared L2 (server/lookup.py)
+        return (None, []) if self.lookups.defer(identity, session, msg) else self.lookups.reply(identity, session, msg)
 
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
         tid = self._next_ticket
@@ -415,13 +416,16 @@ class KVTierServer:
         with self.lock:
             replies = []
             for job in jobs:
-                if timed_out:
+                if timed_out and isinstance(job.msg, P.Lookup):
+                    self.lookups.timed_out(job)
+                elif timed_out:
                     self.metrics.inc("kvtier_l2_promote_timeouts_total")
                     log.warning("L2 promotion for %s not done after %.1f s: answered from L1",
                                 type(job.msg).__name__, self.config.server.promote_timeout_seconds)
                 if self.sessions.get(job.identity) is not job.session:  # said Bye, went idle, or said Hello again
                     continue
-                handler = self._retrieve_reply if isinstance(job.msg, P.RetrieveBegin) else self._prefetch_reply
+                handler = {P.RetrieveBegin: self._retrieve_reply, P.Lookup: self.lookups.reply}.get(
+                    type(job.msg), self._prefetch_reply)
                 try:
                     replies.append((job.identity, *handler(job.identity, job.session, job.msg, job.started)))
                 except KVTierError as exc:
