@@ -86,10 +86,6 @@ def test_routing_follows_kvtier_and_the_shared_l2(nodes):
     assert deployment.complete(other)["served_by"] in ("a", "b")
 
 
-
-@pytest.mark.xfail(strict=True, reason="known gap: since the server answers lookups from its L2 indexes only "
-                   "(issue 12 §3), a record another server wrote is found by a background probe, i.e. by the "
-                   "second lookup, not the first (issue 10 §4 wants the first)")
 def test_shared_l2_record_of_a_is_loaded_by_b_on_the_first_request(nodes):
     deployment, probe = nodes
     b = deployment.worker["b"]
