@@ -193,6 +193,52 @@ def test_nothing_is_flushed_before_the_engines_first_step(tmp_path):
         server.stop()
 
 
+def view_after(batches) -> dict[int, int]:
+    """A router's view (block hash -> times it is counted) after applying ``batches`` in order from empty."""
+    held: dict[int, int] = {}
+    for batch in batches:
+        for ev in batch:
+            for h in ev.block_hashes:
+                if isinstance(ev, BlockStored):
+                    held[h] = held.get(h, 0) + 1
+                elif h in held:
+                    held[h] -= 1
+                    if not held[h]:
+                        del held[h]
+    return held
+
+
+def test_before_the_engines_first_step_the_router_is_resynced_from_when_the_publisher_exists(tmp_path):
+    server, events = start_server(tmp_path)
+    store(server.url, list(range(9000, 9016)))  # the state a new worker learns by replay at start-up
+    flushed: list = []
+    feed = open_feed(server.port, events, flush=lambda evs: flushed.append(evs) or True, idle_flush_seconds=0.1)
+    try:
+        wait_for(lambda: feed.num_blocks("CPU") == 2, 20, "the replay")
+        held = list(feed.mirror.blocks["CPU"])
+        time.sleep(0.3)
+        assert flushed == []  # no publisher yet (vLLM builds it after the connector)
+        feed.engine_started()
+        wait_for(lambda: len(flushed) >= 2, 20, "the first two resyncs")  # at once, then after 0.5 s
+        # each resync removes, then stores, every held block: a subscriber that joined before any of them, between
+        # them, or after the first sees each block once
+        for start in range(len(flushed)):
+            assert view_after(flushed[start:]) == {h: 1 for h in held}
+        assert all(isinstance(e, (BlockRemoved, BlockStored)) for batch in flushed for e in batch)
+        store(server.url, list(range(9100, 9116)))  # a change between resyncs: flushed as it happens
+        wait_for(lambda: feed.num_blocks("CPU") == 4, 20, "the second store")
+        wait_for(lambda: view_after(flushed) == {h: 1 for h in feed.mirror.blocks["CPU"]}, 20, "the change's flush")
+        # the engine's first step: one more resync in its own batch, then the resyncs stop
+        first = feed.take_events()
+        assert view_after([first]) == {h: 1 for h in feed.mirror.blocks["CPU"]}
+        count = len(flushed)
+        time.sleep(1.5)  # longer than the next gaps (1 s, 2 s from the start): no resync after the first step
+        assert len(flushed) == count and feed.stats["resyncs"] == count - feed.stats["idle_flushes"] + 1
+    finally:
+        feed.close()
+        server.stop()
+
+
 def test_a_reannouncement_waits_for_the_engines_clear_before_an_idle_flush(tmp_path):
     server, events = start_server(tmp_path)
     engine = EventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/engine", batch_max_delay_seconds=0))

@@ -30,11 +30,20 @@ Rules (why):
   caught up from seq 0 when it answers.
 
 Timing: vLLM publishes connector events only when a step produces output (``Scheduler.update_from_output``),
-so an idle engine would hold them until its next request. With ``flush`` (``engine_flush``: the engine's own
-publisher, found in the scheduler that owns the connector) events the engine has not taken within
-``idle_flush_seconds`` are published directly in the same stream, once the engine has taken events at least
-once (before its first step nobody may be listening yet: ``dynamo.vllm`` subscribes after the engine started),
-and except while a ``reannounce()`` waits for the engine's ``AllBlocksCleared`` (it must follow the clear).
+so an idle engine would hold them until its next request. With ``flush`` (``EngineFlush``: the engine's own
+publisher, found in the scheduler that owns the connector once it is built) events the engine has not taken
+within ``idle_flush_seconds`` are published directly in the same stream, except while a ``reannounce()`` waits
+for the engine's ``AllBlocksCleared`` (it must follow the clear).
+
+A new worker's router must know the server's chunks before the worker's first request, but a ZMQ PUB drops
+what it publishes before a subscriber joins, and ``dynamo.vllm`` subscribes to the engine's stream only after
+the engine started (no replay). So from the moment the engine's publisher exists (``engine_started()``) until
+the engine's first step, the feed *resyncs* the router with backoff (at once, then after 0.5 s, 1 s, 2 s, ...
+up to ``MAX_RESYNC_SECONDS``): one batch holding ``BlockRemoved`` for every mirrored block, then ``BlockStored``
+for each. A router that saw an earlier resync ends with the same view (each block removed, then stored once), one
+that joined late gets the whole view, and neither counts a block twice. The engine's first ``take_events()`` is
+one more resync, so the state is complete by the first step whenever the subscriber joined. Resyncs are not
+``AllBlocksCleared``: that would wipe the worker's GPU tier, and the watcher would take it for the engine's.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ from kvtier.events.subscriber import Subscriber
 
 log = logging.getLogger("vllm.kvtier_connector")
 MEDIUMS = ("CPU", "STORAGE")
+FIRST_RESYNC_GAP_SECONDS = 0.5  # before the engine's first step: the second resync, then doubling ...
+MAX_RESYNC_SECONDS = 30.0  # ... up to this gap between resyncs
 _WILDCARD = re.compile(r"^tcp://(\*|0\.0\.0\.0|\[::\]|::):")
 
 
@@ -143,6 +154,11 @@ class BlockMirror:
                 out.append(self._event(medium, run, held[run[0]].parent))
         return out
 
+    def resync(self) -> list[Event]:
+        """``BlockRemoved`` for every held block, then ``announce()``: the router's view of these blocks becomes
+        exactly what is held, whatever part of it the router had seen before."""
+        return [BlockRemoved(list(held), m) for m, held in self.blocks.items() if held] + self.announce()
+
     def forget(self) -> list[Event]:
         """Drop every block (the server lost them); ``BlockRemoved`` per medium that held any."""
         out: list[Event] = [BlockRemoved(list(held), m) for m, held in self.blocks.items() if held]
@@ -192,10 +208,13 @@ class ServerFeed:
         self._pending_since = 0.0  # monotonic time the oldest queued event was queued
         self._flush, self._idle_flush_seconds = flush, idle_flush_seconds
         self._engine_took = False  # the engine drained take_events() at least once (its stream has listeners)
+        self._engine_up = False  # the engine's publisher exists (engine_started): resync until its first step
+        self._resynced = False  # a resync was published before the engine's first step
+        self._next_resync, self._resync_gap = 0.0, FIRST_RESYNC_GAP_SECONDS
         self._expect_engine_clear = 0  # clears already answered by reannounce(); the watcher skips them
         self._stop = threading.Event()
         self.stats = {"server_batches": 0, "restarts": 0, "reannounced": 0, "engine_batches": 0, "engine_clears": 0,
-                      "idle_flushes": 0}
+                      "idle_flushes": 0, "resyncs": 0}
         self._secret_file = secret_file if secret_file and not os.path.exists(secret_file) else None
         self._sub = Subscriber(endpoint, replay_endpoint, start_seq=0 if replay_endpoint else None,
                                replay_timeout_seconds=replay_timeout_seconds,
@@ -251,14 +270,36 @@ class ServerFeed:
         if self._flush is None:
             return
         with self._lock:
-            if (not self._pending or self._expect_engine_clear or not self._engine_took
-                    or time.monotonic() - self._pending_since < self._idle_flush_seconds):
+            if self._expect_engine_clear:
                 return
-            events, self._pending = self._pending, []
+            now = time.monotonic()
+            idle = bool(self._pending) and now - self._pending_since >= self._idle_flush_seconds
+            if not self._engine_took and self._engine_up and now >= self._next_resync:
+                events, resync = self._resync(), True
+                self._next_resync = now + self._resync_gap
+                self._resync_gap = min(2 * self._resync_gap, MAX_RESYNC_SECONDS)
+            elif idle and (self._engine_took or self._resynced):
+                events, resync = self._pending, False
+                self._pending = []
+            else:  # before the first resync, nobody has the state the pending events change
+                return
             if self._flush(events):
-                self.stats["idle_flushes"] += 1
+                if resync:
+                    self._resynced = True
+                else:
+                    self.stats["idle_flushes"] += 1
             else:  # the engine publishes them at its next step
                 self._pending, self._flush = events, None
+
+    def _resync(self) -> list[Event]:  # with self._lock held
+        events, self._pending = self._pending + self.mirror.resync(), []
+        self.stats["resyncs"] += 1
+        return events
+
+    def engine_started(self) -> None:
+        """The engine's publisher exists (the ``flush`` can publish): resync the router until the first step."""
+        with self._lock:
+            self._engine_up = True
 
     def _announce(self) -> None:  # with self._lock held
         events = self.mirror.announce()
@@ -279,7 +320,10 @@ class ServerFeed:
     def take_events(self) -> list[Event]:
         """Drain the events queued for the engine's stream (``kvtier.events.model`` types)."""
         with self._lock:
-            out, self._pending = self._pending, []
+            if not self._engine_took and self._resynced:  # complete whenever the engine's subscriber joined
+                out = self._resync()
+            else:
+                out, self._pending = self._pending, []
             self._engine_took = True
         return out
 
@@ -299,8 +343,9 @@ class ServerFeed:
 def _scheduler_publisher(connector):
     """The KV event publisher of the vLLM scheduler that owns ``connector`` (its ``kv_event_publisher``), or None.
 
-    vLLM hands a connector no reference to its scheduler; the scheduler is the object whose ``connector``
-    attribute is this connector (found once through the garbage collector's referrers).
+    vLLM (0.31, 0.32) hands a connector no reference to its scheduler or publisher, and has no hook for either;
+    the scheduler is the object whose ``connector`` attribute is this connector (found through the garbage
+    collector's referrers). ``tests/integration/test_vllm_feed.py`` fails if an installed vLLM breaks this.
     """
     for ref in gc.get_referrers(connector):
         owners = [ref] if not isinstance(ref, dict) else [o for o in gc.get_referrers(ref)
@@ -313,25 +358,37 @@ def _scheduler_publisher(connector):
     return None
 
 
-def engine_flush(connector, convert):
-    """A ``ServerFeed`` ``flush``: publish through the engine's own publisher (``convert``: kvtier events to
-    vLLM's). Returns False (the events stay for the engine's next step) when the publisher cannot be found."""
-    found: list = []
+class EngineFlush:
+    """A ``ServerFeed`` ``flush``: publish through the engine's own publisher (``convert``: kvtier events to vLLM's).
 
-    def flush(events) -> bool:
-        if not found:
-            found.append(_scheduler_publisher(connector))
-            if found[0] is None:
-                log.info("kvtier: the engine's KV event publisher was not found; the server's changes are "
-                         "published at the engine's next step")
-        if found[0] is None:
+    ``bind()`` finds the publisher; the connector calls it from ``bind_kv_cache_manager``, which vLLM calls once
+    the scheduler has built its publisher. Unbound, the first call binds. Without a publisher every call returns
+    False: the events stay for the engine's next step (logged once, as a warning).
+    """
+
+    def __init__(self, connector, convert):
+        self.connector, self.convert = connector, convert
+        self.publisher = None
+        self.bound = False
+
+    def bind(self) -> bool:
+        """Find the engine's publisher (once); True when found."""
+        if not self.bound:
+            self.bound = True
+            self.publisher = _scheduler_publisher(self.connector)
+            if self.publisher is None:
+                log.warning("kvtier: vLLM's KV event publisher was not found in the scheduler that owns this "
+                            "connector (Scheduler.kv_event_publisher); the server's chunks are announced only "
+                            "with the engine's steps, so a new or idle worker's view in the router lags")
+        return self.publisher is not None
+
+    def __call__(self, events) -> bool:
+        if not self.bind():
             return False
         from vllm.distributed.kv_events import KVEventBatch
 
-        found[0].publish(KVEventBatch(ts=time.time(), events=convert(events)))
+        self.publisher.publish(KVEventBatch(ts=time.time(), events=self.convert(events)))
         return True
-
-    return flush
 
 
 def open_feed(vllm_config, block_size: int, *, endpoint: str | None, replay_endpoint: str | None = None,

@@ -112,11 +112,12 @@ class KVTierConnector(HybridScheduler, HybridWorker, SchedulerSide, WorkerSide, 
         self._init_scheduler()
         self._feed = None  # the kvtier server's chunks as this engine's KV events (scheduler side)
         if role == KVConnectorRole.SCHEDULER and not self._in_process:
-            from kvtier.connectors.server_feed import engine_flush, open_feed
+            from kvtier.connectors.server_feed import EngineFlush, open_feed
 
+            self._engine_flush = EngineFlush(self, to_vllm_events)
             self._feed = open_feed(vllm_config, self.block_size, endpoint=settings.server_events,
                                    replay_endpoint=settings.server_events_replay, server_url=settings.server_url,
-                                   secret_file=settings.auth_secret_file, flush=engine_flush(self, to_vllm_events))
+                                   secret_file=settings.auth_secret_file, flush=self._engine_flush)
         self._init_worker()
         self._init_hybrid()
         self._init_hybrid_worker()
@@ -236,6 +237,13 @@ class KVTierConnector(HybridScheduler, HybridWorker, SchedulerSide, WorkerSide, 
             yield from events
         if self._feed is not None:
             yield from to_vllm_events(self._feed.take_events())
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        # vLLM calls this once its scheduler has built its KV event publisher: from now on the server's chunks can
+        # be announced before the engine's first step
+        if self._feed is not None and self._engine_flush.bind():
+            self._feed.engine_started()
 
     def reset_cache(self) -> None:
         # vLLM's AllBlocksCleared (published before these events) wipes every tier of this worker in a
