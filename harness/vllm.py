@@ -65,19 +65,20 @@ class KVTierServer(kvtier_server.KVTierServer):
 
 
 class OpenAIServer:
-    """``python -m vllm.entrypoints.openai.api_server`` (SmolLM2, fp32, vLLM's own prefix cache off) with the
-    kvtier connector configured by ``extra`` (``kv_connector_extra_config``); dev endpoints on (for
-    ``/reset_prefix_cache``). Stopped by pid."""
+    """``python -m vllm.entrypoints.openai.api_server`` (SmolLM2, fp32, vLLM's own prefix cache off unless
+    ``prefix_caching``) with the kvtier connector configured by ``extra`` (``kv_connector_extra_config``); dev
+    endpoints on (for ``/reset_prefix_cache``); ``args``: more vLLM arguments. Stopped by pid."""
 
-    def __init__(self, work: Path, extra: dict):
+    def __init__(self, work: Path, extra: dict, *, prefix_caching: bool = False, args: tuple[str, ...] = ()):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cfg = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
                "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         argv = [require_vllm(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir()),
                 "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(self.port), "--dtype",
-                "float32", "--enforce-eager", "--max-model-len", "4096", "--no-enable-prefix-caching",
-                "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(cfg)]
+                "float32", "--enforce-eager", "--max-model-len", "4096",
+                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+                "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(cfg), *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_SERVER_DEV_MODE="1")

@@ -58,6 +58,7 @@ class Script:
         for var in ("KV_PORT", "KV_ADMIN_PORT", "KV_EVENTS_PORT", "KV_REPLAY_PORT"):
             env[var] = str(free_port())
         self.kvtier_admin = f"http://127.0.0.1:{env['KV_ADMIN_PORT']}"
+        self.env = env
         self.log_path = log_dir / "script.log"
         with open(self.log_path, "w") as log:
             self.popen = subprocess.Popen(["bash", str(EXAMPLES / name)], stdout=log, stderr=subprocess.STDOUT,
@@ -174,6 +175,48 @@ def test_agg_reloads_from_kvtier_and_the_router_sees_the_host_tier(launch):
         probe.until(tokens, on_host_only, "the prompt on the worker's host tier only", poke=poke)
     finally:
         probe.stop()
+    script.stop()
+
+
+def test_a_worker_added_later_is_credited_with_the_servers_chunks_before_its_first_request(launch):
+    script = launch("agg.sh")
+    probe = RouterProbe(Deployment(script.log_dir), BLOCK)
+    late = None
+    try:
+        tokens = document_tokens(model_dir())[NUM_TOKENS:3 * NUM_TOKENS]  # a prompt no other test sends
+        blocks = len(tokens) // BLOCK
+        answer = httpx.post(f"http://127.0.0.1:{script.http_port}/v1/completions", timeout=300,
+                            json={"model": MODEL_NAME, "prompt": tokens, "max_tokens": 1})
+        assert answer.status_code == 200, answer.text
+        stored = lambda: metric_value(httpx.get(f"{script.kvtier_admin}/metrics", timeout=5).text,  # noqa: E731
+                                      "kvtier_store_chunks_total") or 0
+        deadline = time.monotonic() + 60
+        while stored() < len(tokens) // CHUNK and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # a second worker on the same kvtier server, started now (examples/dynamo/common.sh's start_worker)
+        code = ('source examples/dynamo/common.sh; start_worker worker2 "$(kvtier_transfer_config kv_both)"; '
+                'echo late-worker-ready; wait')
+        with open(script.log_dir / "late-worker.log", "w") as log:
+            late = subprocess.Popen(["bash", "-c", code], stdout=log, stderr=subprocess.STDOUT, env=script.env,
+                                    cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "late-worker-ready" not in (script.log_dir / "late-worker.log").read_text():
+            assert late.poll() is None and time.monotonic() < deadline, log_tail(script.log_dir)
+            time.sleep(1)
+        ids = dict(line.split("=", 1) for line in (script.log_dir / "worker-ids").read_text().split())
+        worker2 = ids["worker2"]
+        # no request reaches worker2: the router learns kvtier's chunks from its resyncs alone
+        probe.until(tokens, lambda v: v["workers"].get(worker2, {}).get("host") == blocks,
+                    "the server's chunks on the late worker's host tier")
+        urls = dict(line.split("=", 1) for line in (script.log_dir / "metrics-urls").read_text().split())
+        counts = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(urls["worker2"], timeout=10).text.splitlines()
+                  if line.startswith("vllm:prompt_tokens_total")]
+        assert counts and sum(counts) == 0, f"the late worker computed prompts before the router credited it: {counts}"
+    finally:
+        probe.stop()
+        if late is not None and late.poll() is None:
+            late.send_signal(signal.SIGTERM)  # its trap stops the worker by pid
+            late.wait(STOP_TIMEOUT_S)
     script.stop()
 
 
