@@ -193,6 +193,7 @@ def test_a_worker_added_later_is_credited_with_the_servers_chunks_before_its_fir
         deadline = time.monotonic() + 60
         while stored() < len(tokens) // CHUNK and time.monotonic() < deadline:
             time.sleep(0.5)
+        assert stored() >= len(tokens) // CHUNK, f"the kvtier server stored {stored()} chunks"
         # a second worker on the same kvtier server, started now (examples/dynamo/common.sh's start_worker)
         code = ('source examples/dynamo/common.sh; start_worker worker2 "$(kvtier_transfer_config kv_both)"; '
                 'echo late-worker-ready; wait')
