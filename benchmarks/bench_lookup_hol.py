@@ -164,8 +164,8 @@ def main() -> None:
         rows = [measure(work, 0.0, args, pool), measure(work, args.delay_seconds, args, pool)]
     for r in rows:
         print(f"L2 delay {r['delay_seconds'] * 1e3:5.0f} ms: {r['lookups']} lookups ({r['hits']} hits, {r['misses']} misses) "
-              f"p50 {r['p50_milliseconds']:.3f} ms, p99 {r['p99_milliseconds']:.3f} ms (hits {r['hit_p99_milliseconds']:.3f} ms, misses "
-              f"{r['miss_p99_milliseconds']:.3f} ms), max {r['max_milliseconds']:.1f} ms; meanwhile "
+              f"p50 {r['p50_milliseconds']:.3f} ms, p99 {r['p99_milliseconds']:.3f} ms "
+              f"(hits {r['hit_p99_milliseconds']:.3f} ms, misses {r['miss_p99_milliseconds']:.3f} ms), max {r['max_milliseconds']:.1f} ms; meanwhile "
               f"{r['l2_loop']['retrieves']} retrieves promoted {r['promoted']:.0f} chunks and "
               f"{r['l2_loop']['stores']} prompts were stored; {r['probes']:.0f} lookups waited for an L2 probe")
     base, slow = rows

@@ -200,7 +200,7 @@ def test_a_worker_added_later_is_credited_with_the_servers_chunks_before_its_fir
         with open(script.log_dir / "late-worker.log", "w") as log:
             late = subprocess.Popen(["bash", "-c", code], stdout=log, stderr=subprocess.STDOUT, env=script.env,
                                     cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
         while "late-worker-ready" not in (script.log_dir / "late-worker.log").read_text():
             assert late.poll() is None and time.monotonic() < deadline, log_tail(script.log_dir)
             time.sleep(1)
@@ -217,7 +217,7 @@ def test_a_worker_added_later_is_credited_with_the_servers_chunks_before_its_fir
         probe.stop()
         if late is not None and late.poll() is None:
             late.send_signal(signal.SIGTERM)  # its trap stops the worker by pid
-            late.wait(STOP_TIMEOUT_S)
+            late.wait(STOP_TIMEOUT_SECONDS)
     script.stop()
 
 

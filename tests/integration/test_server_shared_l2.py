@@ -16,7 +16,7 @@ from support.server import CHUNK, ServerProc
 
 from harness import services
 from kvtier.client import Client
-from test_server_promotion import HANG_MS, LAYOUT, counter, prompt
+from test_server_promotion import HANG_SECONDS, LAYOUT, counter, prompt
 
 pytestmark = pytest.mark.services
 TOKEN = "shared-l2-admin"
@@ -76,7 +76,7 @@ def test_with_the_probe_off_the_first_lookup_answers_from_the_index(tmp_path, re
 
 def test_a_hung_l2_costs_one_lookup_the_deadline_and_answers_from_the_index(tmp_path, redis_url):
     prefix = f"kvtier-test-{uuid.uuid4().hex}/"
-    hung = {"type": "faulty", "inner": redis_spec(redis_url, prefix), "latency_ms": HANG_MS, "ops": ["contains"]}
+    hung = {"type": "faulty", "inner": redis_spec(redis_url, prefix), "latency_seconds": HANG_SECONDS, "ops": ["contains"]}
     tokens, kv = prompt(24, 2)
     other, other_kv = prompt(25, 2)
     with start(tmp_path, redis_spec(redis_url, prefix)) as a, \

@@ -35,7 +35,7 @@ def held_by_server(events: str, replay: str, secret_file: str, count: int) -> se
     deadline = time.monotonic() + WAIT_S
     try:
         while len(held) < count and time.monotonic() < deadline:
-            got = sub.recv(timeout_s=0.5)
+            got = sub.recv(timeout_seconds=0.5)
             if got is not None:
                 held |= {h for ev in got[1].events if type(ev).__name__ == "BlockStored" and ev.medium == "CPU"
                          for h in ev.block_hashes}
@@ -65,7 +65,7 @@ def test_a_late_worker_announces_the_servers_chunks_before_its_first_request(tmp
         announced: set[int] = set()
         deadline = time.monotonic() + WAIT_S
         while not held <= announced and time.monotonic() < deadline:
-            got = watcher.recv(timeout_s=0.5)
+            got = watcher.recv(timeout_seconds=0.5)
             if got is not None:
                 announced |= {h for ev in got[1].events if type(ev).__name__ == "BlockStored" and ev.medium == "CPU"
                               for h in ev.block_hashes}
@@ -77,7 +77,7 @@ def test_a_late_worker_announces_the_servers_chunks_before_its_first_request(tmp
         watcher.close()
         if vllm is not None:
             vllm.stop()
-        proc.stop(timeout_s=20)
+        proc.stop(grace_seconds=20)
 
 
 def _requests(vllm: OpenAIServer) -> float:

@@ -157,13 +157,13 @@ class Promoter:
             del self.waiting[id(job)]
         return out
 
-    def poll_ms(self, tick_ms: int) -> int:
-        """How long the request loop may wait for input: ``tick_ms``, or less, up to the earliest deadline of a
+    def poll_milliseconds(self, tick_milliseconds: int) -> int:
+        """How long the request loop may wait for input: ``tick_milliseconds``, or less, up to the earliest deadline of a
         waiting job (so a short deadline, e.g. a lookup's probe, is answered on time)."""
         if not self.waiting:
-            return tick_ms
+            return tick_milliseconds
         left = min(job.deadline for job in self.waiting.values()) - time.monotonic()
-        return max(0, min(tick_ms, math.ceil(left * 1000)))
+        return max(0, min(tick_milliseconds, math.ceil(left * 1000)))
 
     @property
     def in_flight(self) -> int:

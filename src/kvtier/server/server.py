@@ -156,7 +156,7 @@ class KVTierServer:
         tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
         while not self.stopping.is_set():
             self.heartbeat = time.monotonic()
-            if poller.poll(self.promoter.poll_ms(tick_milliseconds)):  # woken at a deferred request's deadline
+            if poller.poll(self.promoter.poll_milliseconds(tick_milliseconds)):  # woken at a deferred request's deadline
                 for _ in range(MAX_BATCH):
                     try:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
