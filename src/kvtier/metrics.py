@@ -73,6 +73,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                "from the request's first lookup (the engine asked again while the request waited).", ("reused",)),
     MetricSpec("kvtier_connector_lookup_seconds_total", "counter", "Time the engine connector spent in lookups.",
                unit="s"),
+    MetricSpec("kvtier_connector_prefetches_total", "counter", "Prefetches the engine connector's scheduler sent "
+               "(a lookup found chunks only L2 held: their promotion into L1 starts before the load)."),
     MetricSpec("kvtier_connector_store_calls_total", "counter", "Store calls the engine connector made."),
     MetricSpec("kvtier_connector_stored_chunks_total", "counter", "Chunks the engine connector's stores added."),
     MetricSpec("kvtier_connector_store_seconds_total", "counter", "Time the engine connector spent storing "

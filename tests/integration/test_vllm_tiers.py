@@ -62,12 +62,17 @@ def test_per_tier_hits_agree_with_kvtier_over_20_requests(vllm, kvtier, ids):
         for i in indices:
             replies[i].append(vllm.complete(prompts[i]))
 
+    before = metric_sum(kvtier.metrics_text(), "kvtier_prefetch_requests_total")
+    prefetches = lambda: metric_sum(kvtier.metrics_text(), "kvtier_prefetch_requests_total") - before  # noqa: E731
     run(range(5))  # 5 misses: stored in L1, written through to L2
     run(range(5))  # 5 L1 hits
     wait_for(lambda: metric_sum(kvtier.metrics_text(), "kvtier_l2_writes_total") >= 10, 60, "10 chunks in L2")
+    assert prefetches() == 0, "a lookup that finds nothing in L2 alone sends no prefetch"
     kvtier.clear_l1()
-    run(range(5))  # 5 L2 hits (promoted into L1 by the load)
+    run(range(5))  # 5 L2 hits (promoted into L1 by the scheduler's prefetch and the load)
+    assert prefetches() == 5, "each lookup that found chunks only in L2 sent one prefetch"
     run([0, 1, 2, 5, 6])  # 3 L1 hits (promoted) and 2 misses
+    assert prefetches() == 5
     want = {"host": 8 * 512, "disk": 5 * 512, "external_unspecified": 0}
     # vLLM's Prometheus counters follow the responses by a logging step: wait until every hit is counted
     wait_for(lambda: sum(by_source(vllm).values()) >= sum(want.values()), 30, "vLLM's hit counters")

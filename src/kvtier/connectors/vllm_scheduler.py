@@ -6,6 +6,8 @@ block before the final prompt token (vLLM must compute at least one token) and a
 ``max_load_tokens``. ``get_external_cache_hit_sources`` splits the offered tokens into host (kvtier's L1)
 and disk (kvtier's L2), exactly as the lookup counted them in ``kvtier_lookup_hit_tokens_total``.
 ``build_connector_meta`` turns the plan into ``LoadOp`` / ``SaveOp`` for the worker (``vllm_worker``).
+When the lookup finds chunks only kvtier's L2 holds, the scheduler sends the server a ``Prefetch`` at once (no
+reply awaited), so the promotion into L1 overlaps vLLM's scheduling instead of starting with the worker's load.
 
 The save plan costs as little as the scheduler can make it (issue 12): vLLM asks ``get_num_new_matched_tokens``
 again at every scheduling attempt of a request that waits for KV blocks, so the first lookup of a request is kept
@@ -158,6 +160,12 @@ class SchedulerSide:
         look.hit, look.l1_hit = hits[0] // self.chunk_size * self.chunk_size, min(hits[1], hits[0])
         limit = (len(tokens) - 1) if controls.max_load_tokens is None else min(len(tokens) - 1, controls.max_load_tokens)
         look.end = min(look.hit, limit // self.block_size * self.block_size)
+        if look.hit > look.l1_hit and look.end > num_computed_tokens and not self._in_process:
+            # start the L2 -> L1 promotion now, on the server's pool, while vLLM finds blocks for the request
+            # and schedules it: the worker's retrieve then finds the chunks in L1 (or joins a promotion in
+            # flight). In process, a prefetch would block this scheduler on L2 I/O, so none is sent.
+            self._call("prefetch", self.backend.prefetch, tokens[:look.hit], **self._ns_kw(ns, extra, look.hit))
+            self.metrics.inc("kvtier_connector_prefetches_total")
         if look.hit:
             logger.info("kvtier: request %s: %d prompt tokens, vLLM has %d, kvtier has %d (%d in L1), loading %d",
                         request.request_id, len(tokens), num_computed_tokens, look.hit, look.l1_hit,
