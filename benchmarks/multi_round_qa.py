@@ -151,6 +151,22 @@ async def run_load(srv: VLLMServer, cache, wl: Workload) -> tuple[list[dict], fl
         return out, time.perf_counter() - started, before, cache_before
 
 
+def system_config(system: str, kv_blocks: int, args) -> str:
+    """How ``system`` is configured in this run, in one line (printed, and the CSV's ``config`` column)."""
+    vllm = (f"vLLM {kv_blocks * VLLM_BLOCK_TOKENS} KV tokens, prefix caching on, chunked prefill, "
+            f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpu}")
+    if system == "lmcache":
+        return (f"{vllm}; LMCacheMPConnector (async lookup and load, blocks held until saved) + lmcache server "
+                f"engine_driven, shared-memory L1 {args.l1_size_gb} GB allocated up front (--no-l1-use-lazy), LRU, "
+                f"chunk {args.chunk_size}, no L2")
+    if system in KVTIER_EXTRA:
+        extra = {"kvtier.store_after_seen": 1, **KVTIER_EXTRA[system]}
+        return (f"{vllm}; KVTierConnector (synchronous lookup and load, blocks freed at once; "
+                f"{', '.join(f'{k} {v}' for k, v in extra.items())}) + kvtier server, shared-memory L1 "
+                f"{args.l1_size_gb} GB, LRU, chunk {args.chunk_size}, no L2")
+    return vllm
+
+
 def run_system(system: str, regime: str, kv_blocks: int, args, wl: Workload, work: Path, bytes_per_token: int,
                tag: str) -> dict:
     """Start the cache server (if any) and vLLM, run the load, stop both. Returns one measurement (see ``summarise``)."""
@@ -179,6 +195,7 @@ def run_system(system: str, regime: str, kv_blocks: int, args, wl: Workload, wor
         print(f"  {system} server log: {line}", flush=True)
     delta = lambda name, **labels: total(after, name, **labels) - total(before, name, **labels)  # noqa: E731
     return {"records": records, "wall": wall, "load_1m": load_1m, "problems": len(problems),
+            "config": system_config(system, kv_blocks, args),
             "by_source": {s: delta("vllm:prompt_tokens_by_source_total", source=s) for s in VLLM_SOURCES},
             "preemptions": delta("vllm:num_preemptions_total"), "kv_capacity_tokens": srv.kv_capacity_tokens,
             "core_ids": srv.core_ids, "cache": {k: cache_after[k] - cache_before[k] for k in cache_after}}
@@ -196,7 +213,7 @@ def summarise(regime: str, system: str, runs: list[dict], args, wl: Workload) ->
     capacity = runs[0]["kv_capacity_tokens"]
     mean = lambda xs: round(statistics.mean(xs), 4) if xs else ""  # noqa: E731
     return {
-        "regime": regime, "system": system, "users": len(wl.contexts), "rounds": wl.rounds,
+        "regime": regime, "system": system, "config": runs[0]["config"], "users": len(wl.contexts), "rounds": wl.rounds,
         "context_tokens": args.context_tokens, "max_tokens": wl.max_tokens, "chunk_size": args.chunk_size,
         "repeats": len(runs), "working_set_tokens": ws, "kv_capacity_tokens": capacity,
         "working_set_ratio": round(ws / capacity, 3), "requests": len(records),
@@ -378,6 +395,8 @@ def main() -> int:
     for regime, n in blocks.items():
         print(f"  regime {regime}: vLLM KV cache {n} blocks = {n * VLLM_BLOCK_TOKENS} tokens, working set / capacity "
               f"{wl.working_set_tokens / (n * VLLM_BLOCK_TOKENS):.2f}", flush=True)
+        for system in args.systems:
+            print(f"    {system}: {system_config(system, n, args)}", flush=True)
     if args.plan:
         return 0
     runs, absent = measure_all(args, wl, blocks, bytes_per_token)
