@@ -69,7 +69,8 @@ def tokens_of(doc: int, num_tokens: int) -> list[int]:
 def bandwidth(args) -> dict:
     n_tok = args.chunks * CHUNK
     kv = torch.randn(LAYOUT.chunk_shape(n_tok), generator=torch.Generator().manual_seed(0))
-    l1_gb = 2.5 * args.chunks * CHUNK_BYTES / 1e9
+    # one prompt is a fifth of L1: a client may reserve at most a quarter (server.max_reserved_fraction_per_client)
+    l1_gb = 5 * args.chunks * CHUNK_BYTES / 1e9
     server, open_server = start_server(l1_gb), start_server(l1_gb, "--no-auth")
     try:
         paths = {"server-shm": Client(server.url, model=MODEL, layout=LAYOUT),
@@ -88,7 +89,7 @@ def bandwidth(args) -> dict:
                 t1 = time.perf_counter()
                 out, n = cache.retrieve(toks)
                 t2 = time.perf_counter()
-                assert stored == args.chunks and n == n_tok and torch.equal(out, kv), name
+                assert stored == args.chunks and n == n_tok and torch.equal(out, kv), (name, stored, n, n_tok)
                 del out
                 if rnd:  # round 0 warms L1 pages up
                     times[name][0] += t1 - t0
