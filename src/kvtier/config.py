@@ -288,6 +288,19 @@ NON_CONFIG_ENV = {"KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN", "KVTIER_AUTH_SECRE
                   "KVTIER_AZURITE_BLOB", "KVTIER_VENV", "KVTIER_PYTHON", "KVTIER_FUZZ_MESSAGES"}
 
 
+def _env_value(name: str, value: str) -> Any:
+    """A variable's value: JSON/YAML when it starts with ``[`` or ``{`` (a list or mapping), else the text."""
+    if not value.strip().startswith(("[", "{")):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at column {where.column + 1}" if where is not None else ""
+        raise ConfigError(f"environment variable {name} is not valid JSON/YAML{at}: "
+                          f"{getattr(exc, 'problem', None) or exc}; fix or unset it") from None
+
+
 def _env_overrides(environ: dict[str, str]) -> dict:
     out: dict = {}
     for name, value in environ.items():
@@ -297,7 +310,7 @@ def _env_overrides(environ: dict[str, str]) -> dict:
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = yaml.safe_load(value) if value.strip().startswith(("[", "{")) else value
+        node[path[-1]] = _env_value(name, value)
     if environ.get("KVTIER_ADMIN_TOKEN"):
         out.setdefault("server", {})["admin_token"] = environ["KVTIER_ADMIN_TOKEN"]
     if environ.get("KVTIER_AUTH_SECRET_FILE"):  # the same variable clients read

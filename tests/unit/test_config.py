@@ -124,3 +124,9 @@ def test_renamed_adapter_field_is_refused_naming_the_new_field(spec, needle):
     with pytest.raises(ConfigError, match=needle):
         create_adapter(spec)
     assert create_adapter({"type": "faulty", "inner": {"type": "memory"}, "latency_seconds": 0.001}).config.latency_seconds == 0.001
+
+
+@pytest.mark.parametrize("text", ['[{"type": ', "{a: [1, 2}"])
+def test_malformed_env_json_names_the_variable(text):
+    with pytest.raises(ConfigError, match="environment variable KVTIER_L2_ADAPTERS is not valid JSON/YAML"):
+        load_config(environ={"KVTIER_L2_ADAPTERS": text})
