@@ -247,16 +247,36 @@ def add_tenant(path: str | os.PathLike, tenant: str) -> Credentials:
     return read_credentials(path)
 
 
+def check_writable(path: Path) -> None:
+    """Raise ConfigError unless a file can be written at ``path``: its folder exists, is a folder, and this
+    user may create files in it; ``path`` itself is not a folder. Checked before anything is changed."""
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"cannot write {path}: folder {folder} does not exist; create it or choose another path")
+    if path.is_dir():
+        raise ConfigError(f"cannot write {path}: it is a folder; give a file name")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {path}: no permission to create files in {folder}")
+
+
 def write_private(path: Path, text: str) -> None:
-    """Replace ``path`` atomically with ``text`` in a file of mode 0600."""
+    """Replace ``path`` atomically with ``text`` in a file of mode 0600.
+
+    Raises:
+        ConfigError: the file could not be written (the folder is missing or not writable, disk full, ...).
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def client_credentials(url: str, secret_file: str | os.PathLike | None = None) -> tuple[Credentials | None, Path | None, str]:

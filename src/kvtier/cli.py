@@ -49,7 +49,7 @@ def cli() -> None:
 
 
 def main() -> None:
-    """Console entry point: a KVTierError prints as one clear line and exits 2."""
+    """Console entry point: a KVTierError or an OSError prints as one clear line and exits 2."""
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
@@ -60,5 +60,15 @@ def main() -> None:
     except KVTierError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from None
+    except OSError as exc:  # a file or socket kvtier did not anticipate: one line naming it, not a traceback
+        click.echo(f"error: {_describe_os_error(exc)}", err=True)
+        raise SystemExit(2) from None
     except SystemExit:
         raise
+
+
+def _describe_os_error(exc: OSError) -> str:
+    """``<what failed>: <path>[ -> <path2>]`` from an OSError (the paths it carries), else its text."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    return f"{what}: {' -> '.join(paths)}" if paths else what

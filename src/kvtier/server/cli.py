@@ -179,9 +179,10 @@ def tenant(name: str, port: int, secret_file: str | None, out: str) -> None:
     """
     from pathlib import Path
 
-    from kvtier.auth import add_tenant, default_secret_file, tenant_credentials, write_private
+    from kvtier.auth import add_tenant, check_writable, default_secret_file, tenant_credentials, write_private
 
     path = Path(secret_file) if secret_file else default_secret_file(port)
+    check_writable(Path(out))  # before the tenant is added: a failed run leaves the secret file as it was
     creds = add_tenant(path, name)
     write_private(Path(out), tenant_credentials(creds, name))
     click.echo(f"tenant {name!r} is in {path}; its credential file is {out} (mode 0600): hand it to its engines")

@@ -1,0 +1,54 @@
+"""The ``kvtier`` command line reports bad input and failed file operations as one line and exit 2.
+
+Each test runs the real console entry point in a subprocess (``python -m kvtier``) with this checkout's
+``src`` first on the path, so what is asserted is what a user sees.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def kvtier(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = SRC + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=120)
+
+
+def one_line_error(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+def test_server_malformed_env_json_is_one_line():
+    res = kvtier("server", "--l1-size-gb", "0.01", env={"KVTIER_L2_ADAPTERS": '[{"type": '})
+    assert "KVTIER_L2_ADAPTERS" in one_line_error(res)
+
+
+def test_auth_tenant_missing_out_folder_changes_nothing(tmp_path):
+    secret = tmp_path / "server.secret"
+    assert kvtier("auth", "tenant", "alice", "--out", str(tmp_path / "a.cred"), "--secret-file", str(secret)).returncode == 0
+    before = secret.read_text()
+    res = kvtier("auth", "tenant", "carol", "--out", str(tmp_path / "nope" / "c.cred"), "--secret-file", str(secret))
+    line = one_line_error(res)
+    assert str(tmp_path / "nope") in line and "does not exist" in line
+    assert secret.read_text() == before  # carol was not added
+    assert "carol" not in yaml.safe_load(secret.read_text())["tenants"]
+
+
+def test_os_error_names_the_path(tmp_path):
+    # the secret file's folder would have to be created under a regular file: mkdir fails with an OSError
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    res = kvtier("auth", "tenant", "carol", "--out", str(tmp_path / "c.cred"), "--secret-file", str(blocker / "s.secret"))
+    assert str(blocker) in one_line_error(res)
