@@ -321,6 +321,10 @@ def _env_overrides(environ: dict[str, str]) -> dict:
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():
+        if isinstance(value, dict) and key in out and (not value or not isinstance(out[key], dict)):
+            # flags of a section that the file gives as something else (``server: 5``): keep the file's value, so
+            # that build_config refuses it rather than the section silently taking defaults
+            continue
         out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 

@@ -14,12 +14,12 @@ import yaml
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
-def kvtier(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+def kvtier(*args: str, env: dict | None = None, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     full_env.update(env or {})
     full_env["PYTHONPATH"] = SRC + os.pathsep + full_env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=120)
+                          env=full_env, cwd=cwd, timeout=timeout)
 
 
 def one_line_error(res: subprocess.CompletedProcess) -> str:
@@ -52,3 +52,10 @@ def test_os_error_names_the_path(tmp_path):
     blocker.write_text("")
     res = kvtier("auth", "tenant", "carol", "--out", str(tmp_path / "c.cred"), "--secret-file", str(blocker / "s.secret"))
     assert str(blocker) in one_line_error(res)
+
+
+def test_server_section_not_a_mapping_is_reported(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("l1_size_gb: 0.01\neviction_policy: LRU\nserver: 5\n")
+    line = one_line_error(kvtier("server", "--config", str(f), "--port", "0", "--admin-port", "0", timeout=30))
+    assert "'server'" in line

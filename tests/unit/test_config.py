@@ -130,3 +130,13 @@ def test_renamed_adapter_field_is_refused_naming_the_new_field(spec, needle):
 def test_malformed_env_json_names_the_variable(text):
     with pytest.raises(ConfigError, match="environment variable KVTIER_L2_ADAPTERS is not valid JSON/YAML"):
         load_config(environ={"KVTIER_L2_ADAPTERS": text})
+
+
+def test_section_that_is_not_a_mapping_is_refused_even_without_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("l1_size_gb: 1\nserver: 5\n")
+    # the CLI passes one dict per section whose flags were all left out: they must not replace the file's value
+    with pytest.raises(ConfigError, match="key 'server'"):
+        load_config(f, overrides={"server": {"port": None, "host": None}, "kv_events": {"topic": None}}, environ={})
+    with pytest.raises(ConfigError, match="key .server."):  # flags of that section do not hide it either
+        load_config(f, overrides={"server": {"port": 0}}, environ={"KVTIER_SERVER__HOST": "127.0.0.1"})
