@@ -232,7 +232,6 @@ class KVTierConfig(_Section):
     eviction_policy: Annotated[str, BeforeValidator(_policy)] = "LRU"
     l2_adapters: list[dict] = Field(default_factory=list)  # in cascade order; see l2.create_adapter
     l2_write_queue_size: int = Field(64, ge=0)  # chunks waiting for L2; a full queue drops the write
-    l2_promote: Bool = True  # copy L2 hits into L1
     l2_promote_to_faster_l2: Bool = False  # also copy hits into L2 adapters ahead of the one that had it
     l2_record_key: pydantic.SecretStr | None = None  # key authenticating L2 records (KVTIER_L2_RECORD_KEY)
     l2_record_auth: Literal["blake3", "hmac-sha256"] = "blake3"  # the MAC new records are signed with
@@ -346,7 +345,9 @@ def _section_of(loc: tuple) -> type[pydantic.BaseModel]:
 
 # removed key path -> what to use instead
 _REMOVED = {("kv_events", "event_block_size"): "events are published per engine block of the top-level "
-            "'block_size' (flag --block-size, variable KVTIER_BLOCK_SIZE); set that to the engine's block size"}
+            "'block_size' (flag --block-size, variable KVTIER_BLOCK_SIZE); set that to the engine's block size",
+            ("l2_promote",): "L2 hits are always copied into L1; remove the key (l2_promote_to_faster_l2 "
+            "also copies them into faster L2 adapters)"}
 
 
 def build_config(data: dict) -> KVTierConfig:
@@ -355,9 +356,12 @@ def build_config(data: dict) -> KVTierConfig:
     Raises:
         ConfigError: naming the offending key, what was wrong, and the nearest valid key.
     """
-    for (section, key), instead in _REMOVED.items():
-        if isinstance(data.get(section), dict) and key in data[section]:
-            raise ConfigError(f"invalid configuration: key '{section}.{key}' was removed: {instead}")
+    for path, instead in _REMOVED.items():
+        node = data
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node:
+            raise ConfigError(f"invalid configuration: key '{'.'.join(path)}' was removed: {instead}")
     try:
         return KVTierConfig(**data)
     except pydantic.ValidationError as exc:

@@ -140,3 +140,11 @@ def test_section_that_is_not_a_mapping_is_refused_even_without_flags(tmp_path):
         load_config(f, overrides={"server": {"port": None, "host": None}, "kv_events": {"topic": None}}, environ={})
     with pytest.raises(ConfigError, match="key .server."):  # flags of that section do not hide it either
         load_config(f, overrides={"server": {"port": 0}}, environ={"KVTIER_SERVER__HOST": "127.0.0.1"})
+
+
+def test_l2_promote_is_refused_as_removed():
+    with pytest.raises(ConfigError, match="'l2_promote' was removed: L2 hits are always copied into L1"):
+        build_config({"l2_promote": False})
+    with pytest.raises(ConfigError, match="'l2_promote' was removed"):
+        load_config(environ={"KVTIER_L2_PROMOTE": "true"})
+    assert build_config({"l2_promote_to_faster_l2": True}).l2_promote_to_faster_l2 is True
