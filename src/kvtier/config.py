@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -260,10 +261,31 @@ class KVTierConfig(_Section):
 
 # LMCache YAML key -> how to translate it (LMCache sizes are GB).
 _LMCACHE_KEYS = {"local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
-                 "pre_caching_hash_algorithm", "remote_url", "remote_serde"}
+                 "pre_caching_hash_algorithm"}
+
+
+def _lmcache_remote(data: dict) -> None:
+    """Refuse LMCache's remote backend keys, naming the kvtier L2 adapter that replaces them."""
+    url = data.get("remote_url")
+    if url is not None:
+        parts = urllib.parse.urlsplit(str(url))
+        if parts.scheme in ("redis", "rediss", "valkey", "valkeys"):
+            # netloc without user:password@: the message may end up in logs
+            port = parts.netloc.rpartition("@")[2].rpartition(":")[2] if ":" in parts.netloc.rpartition("@")[2] else ""
+            shown = f"{parts.scheme}://{parts.hostname or '127.0.0.1'}" + (f":{port}" if port else "")
+            spec = f"l2_adapters: [{{type: redis, url: '{shown}{parts.path}'}}]"
+            hint = f"configure a redis L2 adapter instead: {spec} (a password goes in the URL or 'password')"
+        else:
+            hint = ("kvtier has no L2 adapter for that scheme; configure one of its L2 adapters instead, e.g. "
+                    "l2_adapters: [{type: redis, url: 'redis://host:6379'}] (docs/configuration.md, L2 adapters)")
+        raise ConfigError(f"LMCache key 'remote_url' is not read by kvtier: {hint}")
+    if "remote_serde" in data:
+        raise ConfigError("LMCache key 'remote_serde' is not read by kvtier: its L2 adapters store kvtier's own "
+                          "record format; remove the key (and configure the remote store as an l2_adapters entry)")
 
 
 def _from_lmcache(data: dict) -> dict:
+    _lmcache_remote(data)
     out = {k: v for k, v in data.items() if k not in _LMCACHE_KEYS}
     if "max_local_cpu_size" in data:
         out["l1_size_gb"] = data["max_local_cpu_size"]

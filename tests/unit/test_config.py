@@ -148,3 +148,18 @@ def test_l2_promote_is_refused_as_removed():
     with pytest.raises(ConfigError, match="'l2_promote' was removed"):
         load_config(environ={"KVTIER_L2_PROMOTE": "true"})
     assert build_config({"l2_promote_to_faster_l2": True}).l2_promote_to_faster_l2 is True
+
+
+def test_lmcache_remote_keys_are_refused_with_the_redis_adapter_to_use(tmp_path):
+    f = tmp_path / "lmcache.yaml"
+    f.write_text("chunk_size: 256\nremote_url: redis://user:pw@cache.example:6380/2\nremote_serde: naive\n")
+    with pytest.raises(ConfigError, match="remote_url") as info:
+        load_config(f, environ={})
+    assert "l2_adapters: [{type: redis, url: 'redis://cache.example:6380/2'}]" in str(info.value)
+    assert "pw" not in str(info.value)
+    f.write_text("remote_url: lm://localhost:65432\n")
+    with pytest.raises(ConfigError, match="no L2 adapter for that scheme"):
+        load_config(f, environ={})
+    f.write_text("remote_serde: naive\n")
+    with pytest.raises(ConfigError, match="'remote_serde' is not read by kvtier"):
+        load_config(f, environ={})
