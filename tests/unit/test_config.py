@@ -163,3 +163,12 @@ def test_lmcache_remote_keys_are_refused_with_the_redis_adapter_to_use(tmp_path)
     f.write_text("remote_serde: naive\n")
     with pytest.raises(ConfigError, match="'remote_serde' is not read by kvtier"):
         load_config(f, environ={})
+
+
+def test_redis_max_value_bytes_takes_a_size_string():
+    from kvtier.l2.redis import RedisConfig
+
+    assert RedisConfig(type="redis", url="redis://127.0.0.1:1", max_value_bytes="64MiB").max_value_bytes == 64 << 20
+    assert RedisConfig(type="redis", url="redis://127.0.0.1:1", max_value_bytes=4096).max_value_bytes == 4096
+    with pytest.raises(ValueError, match="greater than or equal to 1024"):
+        RedisConfig(type="redis", url="redis://127.0.0.1:1", max_value_bytes="1KB")

@@ -28,6 +28,7 @@ import xxhash
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from kvtier.config import SizeBytes
 from kvtier.errors import ConfigError, StorageError
 from kvtier.l2.base import Buffer
 from kvtier.l2.remote import RemoteAdapter, RemoteConfig, describe
@@ -52,7 +53,7 @@ class RedisConfig(RemoteConfig):
     password: pydantic.SecretStr | None = None
     tls_ca_file: str | None = None  # CA bundle (PEM) to verify a rediss:// server; default: the system's
     ttl_seconds: float | None = pydantic.Field(None, gt=0)
-    max_value_bytes: int = pydantic.Field(512 << 20, ge=1024)  # records above this are split into parts
+    max_value_bytes: SizeBytes = pydantic.Field(512 << 20, ge=1024)  # records above this are split into parts
     socket_timeout_seconds: float = pydantic.Field(5.0, gt=0)
     retries: int = pydantic.Field(1, ge=0, le=20)  # redis-py retries of one command on connection errors
 
