@@ -139,3 +139,25 @@ def test_status_redaction_masks_sas_query_strings_and_secret_keys():
     for secret in ("SIGNATURE", "ACCOUNTKEY", "OTHER", "PASSWORD", "AMZSIG", "RECORDKEY", "se=2030"):
         assert secret not in text
     assert "https://acct.blob.core.windows.net/?***" in text and "redis://***@host:6379/0" in text
+
+
+def test_status_redaction_shows_settings_whose_names_merely_contain_a_secret_word():
+    from kvtier.config import build_config
+
+    config = build_config({"server": {"admin_token": "ADMINTOKEN", "max_prompt_tokens": 4096,
+                                      "hash_offload_min_tokens": 512, "auth_secret_file": "/run/kvtier/s.secret"},
+                           "l2_record_key": "RECORDKEY",
+                           "l2_adapters": [{"type": "s3", "bucket": "b", "aws_access_key_id": "AKID",
+                                            "aws_secret_access_key": "SAK", "multipart_threshold_bytes": 8 << 20},
+                                           {"type": "redis", "url": "redis://h:6379", "password": "PW",
+                                            "max_value_bytes": 2048}]}).model_dump(mode="json")
+    config["l2_record_key"] = "RECORDKEY"  # SecretStr dumps as "**********"; redact must not rely on it
+    config["server"]["admin_token"] = "ADMINTOKEN"
+    out = redact(config)
+    assert out["server"]["max_prompt_tokens"] == 4096 and out["server"]["hash_offload_min_tokens"] == 512
+    assert out["server"]["auth_secret_file"] == "/run/kvtier/s.secret" and out["server"]["auth"] is True
+    assert out["l2_adapters"][0]["multipart_threshold_bytes"] == 8 << 20
+    assert out["l2_adapters"][1]["max_value_bytes"] == 2048
+    text = repr(out)
+    for secret in ("ADMINTOKEN", "RECORDKEY", "AKID", "SAK", "PW"):
+        assert secret not in text

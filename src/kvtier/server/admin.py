@@ -33,18 +33,30 @@ from kvtier.server.session import admin_refusal
 from kvtier.server.telemetry import CONTENT_TYPE, Telemetry
 
 log = logging.getLogger(__name__)
-_SECRET_WORDS = ("key", "secret", "token", "password", "credential", "connection_string", "sas")
+# a key is a secret when one of its words (split at "_", "-", ".") is one of these; whole words, so that
+# max_prompt_tokens or hash_offload_min_tokens stay visible while admin_token, aws_secret_access_key, sas_token,
+# l2_record_key are masked. A "*_file" key is a path (auth_secret_file, tls_ca_file): shown, its content never is
+_SECRET_WORDS = frozenset({"key", "secret", "token", "password", "passwd", "pwd", "credential", "credentials",
+                           "sas", "sig", "signature"})
+_SECRET_KEYS = frozenset({"connection_string", "connectionstring", "accountkey", "sharedaccesssignature"})
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 _URL_QUERY = re.compile(r"(?<=[a-z]://)([^\s?#]*)\?[^\s#]*", re.IGNORECASE)  # SAS tokens travel as the query string
 _FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
 
 
+def is_secret_key(key) -> bool:
+    """Whether a mapping key names a secret: a word of it is a secret word, or it is a known secret name."""
+    name = str(key).lower()
+    if name.endswith("_file"):
+        return False
+    return name in _SECRET_KEYS or not _SECRET_WORDS.isdisjoint(re.split(r"[_\-.\s]+", name))
+
+
 def redact(value):
-    """A copy of a JSON-like value with secrets masked: keys naming a secret, user:password and query strings
-    of URLs."""
+    """A copy of a JSON-like value with secrets masked: keys naming a secret (``is_secret_key``), user:password
+    and query strings of URLs."""
     if isinstance(value, dict):
-        return {k: "***" if any(w in str(k).lower() for w in _SECRET_WORDS) and v is not None else redact(v)
-                for k, v in value.items()}
+        return {k: "***" if is_secret_key(k) and v is not None else redact(v) for k, v in value.items()}
     if isinstance(value, list):
         return [redact(v) for v in value]
     if isinstance(value, str):
