@@ -172,3 +172,12 @@ def test_redis_max_value_bytes_takes_a_size_string():
     assert RedisConfig(type="redis", url="redis://127.0.0.1:1", max_value_bytes=4096).max_value_bytes == 4096
     with pytest.raises(ValueError, match="greater than or equal to 1024"):
         RedisConfig(type="redis", url="redis://127.0.0.1:1", max_value_bytes="1KB")
+
+
+def test_adapter_field_message_is_the_validators_own():
+    from kvtier.l2 import create_adapter
+
+    with pytest.raises(ConfigError) as info:
+        create_adapter({"type": "redis", "url": "http://127.0.0.1:1"})
+    assert "field 'url': url scheme must be redis://" in str(info.value)
+    assert "Value error" not in str(info.value)

@@ -176,6 +176,6 @@ def _describe(exc: pydantic.ValidationError, model: type[pydantic.BaseModel]) ->
             msgs.append(f"missing required field {field!r}")
         elif not field:  # a check on the whole spec (a renamed key): its message names the keys
             msgs.append(str(err.get("ctx", {}).get("error") or err["msg"]))
-        else:
-            msgs.append(f"field {field!r}: {err['msg']}")
+        else:  # a validator's own message (its ValueError) without pydantic's "Value error, " prefix
+            msgs.append(f"field {field!r}: {err.get('ctx', {}).get('error') or err['msg']}")
     return "; ".join(msgs)
