@@ -31,8 +31,8 @@ _MiB = 1 << 20
 
 
 class AzureBlobConfig(RemoteConfig):
-    """``{"type": "azure_blob", "container": "kv", "connection_string": "..."}`` or
-    ``{"type": "azure_blob", "container": "kv", "account_url": "https://acct.blob.core.windows.net",
+    """``{"type": "azure_blob", "container": "kv-cache", "connection_string": "..."}`` or
+    ``{"type": "azure_blob", "container": "kv-cache", "account_url": "https://acct.blob.core.windows.net",
     "account_name": "acct", "credential": "<account key>"}`` (without ``account_name`` the credential is a
     SAS token). ``create`` creates a missing container instead of failing.
     """

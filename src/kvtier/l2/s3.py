@@ -26,7 +26,7 @@ _MiB = 1 << 20
 
 
 class S3Config(RemoteConfig):
-    """``{"type": "s3", "bucket": "kv", "endpoint_url": "http://127.0.0.1:9000"}``.
+    """``{"type": "s3", "bucket": "kv-cache", "endpoint_url": "http://127.0.0.1:9000"}``.
 
     Credentials: ``aws_access_key_id`` + ``aws_secret_access_key`` when given, else boto3's standard
     chain (environment, ~/.aws, instance role). ``create`` creates a missing bucket instead of failing.
