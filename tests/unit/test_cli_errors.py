@@ -59,3 +59,22 @@ def test_server_section_not_a_mapping_is_reported(tmp_path):
     f.write_text("l1_size_gb: 0.01\neviction_policy: LRU\nserver: 5\n")
     line = one_line_error(kvtier("server", "--config", str(f), "--port", "0", "--admin-port", "0", timeout=30))
     assert "'server'" in line
+
+
+def usage_error(res: subprocess.CompletedProcess, needle: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and needle in res.stderr, res.stderr
+
+
+def test_events_from_seq_needs_a_replay_endpoint():
+    usage_error(kvtier("events", "subscribe", "--from-seq", "3", "--timeout-seconds", "0.1"),
+                "--from-seq needs --replay-endpoint")
+
+
+def test_auth_tenant_port_out_of_range(tmp_path):
+    usage_error(kvtier("auth", "tenant", "carol", "--port", "99999", "--out", str(tmp_path / "c.cred")), "--port")
+    assert not (tmp_path / "c.cred").exists()
+
+
+def test_status_timeout_must_be_positive():
+    usage_error(kvtier("status", "--admin-url", "http://127.0.0.1:1", "--timeout-seconds", "-1"), "--timeout-seconds")

@@ -69,6 +69,9 @@ def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_se
     """Print event batches as they arrive; missed batches are replayed, lost ones reported on stderr."""
     from kvtier.events.subscriber import Subscriber
 
+    if from_seq is not None and not replay_endpoint:
+        raise click.UsageError("--from-seq needs --replay-endpoint: buffered batches are replayed from there")
+
     def on_gap(gap):
         click.echo(f"! missed batches {gap.first_missing}..{gap.last_missing}: {gap.reason}", err=True)
 

@@ -147,7 +147,8 @@ def run(config, log_level: str = "INFO") -> None:
 
 @click.command()
 @click.option("--admin-url", default="http://127.0.0.1:8080", show_default=True, help="The server's admin HTTP.")
-@click.option("--timeout-seconds", "timeout_seconds", type=float, default=5.0, show_default=True, help="Seconds to wait.")
+@click.option("--timeout-seconds", "timeout_seconds", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, help="Seconds to wait (> 0).")
 def status(admin_url: str, timeout_seconds: float) -> None:
     """Print a running server's /status (JSON)."""
     url = admin_url.rstrip("/") + "/status"
@@ -167,7 +168,8 @@ def auth() -> None:
 
 @auth.command("tenant")
 @click.argument("name")
-@click.option("--port", type=int, default=5555, show_default=True, help="The server's port (names its default secret file).")
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, show_default=True,
+              help="The server's port (names its default secret file).")
 @click.option("--secret-file", type=click.Path(dir_okay=False), default=None,
               help="The server's secret file [default: the one for --port].")
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Where to write the tenant's credential file.")
