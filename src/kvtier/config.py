@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -259,51 +258,6 @@ class KVTierConfig(_Section):
         return self.block_size or self.chunk_size
 
 
-# LMCache YAML key -> how to translate it (LMCache sizes are GB).
-_LMCACHE_KEYS = {"local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
-                 "pre_caching_hash_algorithm"}
-
-
-def _lmcache_remote(data: dict) -> None:
-    """Refuse LMCache's remote backend keys, naming the kvtier L2 adapter that replaces them."""
-    url = data.get("remote_url")
-    if url is not None:
-        parts = urllib.parse.urlsplit(str(url))
-        if parts.scheme in ("redis", "rediss", "valkey", "valkeys"):
-            # netloc without user:password@: the message may end up in logs
-            port = parts.netloc.rpartition("@")[2].rpartition(":")[2] if ":" in parts.netloc.rpartition("@")[2] else ""
-            shown = f"{parts.scheme}://{parts.hostname or '127.0.0.1'}" + (f":{port}" if port else "")
-            spec = f"l2_adapters: [{{type: redis, url: '{shown}{parts.path}'}}]"
-            hint = f"configure a redis L2 adapter instead: {spec} (a password goes in the URL or 'password')"
-        else:
-            hint = ("kvtier has no L2 adapter for that scheme; configure one of its L2 adapters instead, e.g. "
-                    "l2_adapters: [{type: redis, url: 'redis://host:6379'}] (docs/configuration.md, L2 adapters)")
-        raise ConfigError(f"LMCache key 'remote_url' is not read by kvtier: {hint}")
-    if "remote_serde" in data:
-        raise ConfigError("LMCache key 'remote_serde' is not read by kvtier: its L2 adapters store kvtier's own "
-                          "record format; remove the key (and configure the remote store as an l2_adapters entry)")
-
-
-def _from_lmcache(data: dict) -> dict:
-    _lmcache_remote(data)
-    out = {k: v for k, v in data.items() if k not in _LMCACHE_KEYS}
-    if "max_local_cpu_size" in data:
-        out["l1_size_gb"] = data["max_local_cpu_size"]
-    if "local_cpu" in data and not parse_bool(data["local_cpu"]):
-        out["l1_size_gb"] = 0
-    if "pre_caching_hash_algorithm" in data:
-        algo = data["pre_caching_hash_algorithm"]
-        out["hash_algorithm"] = "sha256_cbor" if algo in ("builtin", "sha256_cbor_64bit") else algo
-    disk = data.get("local_disk")
-    if disk:
-        path = str(disk).removeprefix("file://")
-        spec = {"type": "local_disk", "path": path}
-        if data.get("max_local_disk_size"):  # LMCache's 0 means "no limit"
-            spec["size_gb"] = parse_size(data["max_local_disk_size"])
-        out["l2_adapters"] = [spec, *out.get("l2_adapters", [])]
-    return out
-
-
 # KVTIER_* variables that are not configuration keys (tooling, tests, the model cache).
 NON_CONFIG_ENV = {"KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN", "KVTIER_AUTH_SECRET_FILE", "KVTIER_MODEL_CACHE", "KVTIER_SERVICES_DIR",
                   "KVTIER_AZURITE_BLOB", "KVTIER_VENV", "KVTIER_PYTHON", "KVTIER_FUZZ_MESSAGES"}
@@ -416,6 +370,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     Raises:
         ConfigError: unreadable file, unknown key, wrong type or bad value.
     """
+    from kvtier.lmcache_config import from_lmcache  # it imports parse_size / parse_bool from this module
+
     environ = dict(os.environ if environ is None else environ)
     path = path or environ.get("KVTIER_CONFIG_FILE")
     data: dict = {}
@@ -428,7 +384,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-        data = _from_lmcache(data)
+        data = from_lmcache(data)
     data = _merge(data, _env_overrides(environ))
     data = _merge(data, _drop_none(overrides or {}))
     return build_config(data)
