@@ -3,158 +3,32 @@
 ``KVCache`` is the in-process ``KVBackend`` (``kvtier.backend``). One storage path: ``store_chunks`` and
 ``retrieve_chunks`` (zero-copy views over L1 slots) are built from the chunk-level primitives
 (``begin_store``/``commit_store``, ``begin_retrieve``/``end_retrieve``) that the server also uses to let
-clients copy through shared memory; ``store`` and ``retrieve`` (whole tensors) wrap them.
+clients copy through shared memory; ``store`` and ``retrieve`` (whole tensors) wrap them. The tiers a cache
+works over are ``kvtier.tiers.Tiers``; the refs and tickets it hands out are in ``kvtier.tickets``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
 from kvtier.backend import Fill, Retrieved, TierHits
 from kvtier.config import KVTierConfig
-from kvtier.errors import InputError, KVTierError
+from kvtier.errors import InputError
 from kvtier.hashing import as_token_array, prefix_hashes
 from kvtier.identity import check_extra_keys, num_blocks_of
 from kvtier.keys import ChunkKey, chunk_layout_id
-from kvtier.l1.store import L1Store
-from kvtier.l2 import create_adapter
-from kvtier.l2.tier import L2Tier, WriteItem
+from kvtier.l2.tier import WriteItem
 from kvtier.layout import KVLayout
-from kvtier.memo import LookupMemo
-from kvtier.metrics import Metrics
 from kvtier.tensors import as_numpy, chunk_view, copy_from, join_chunks
+from kvtier.tickets import ChunkRef, PromptBlocks, RetrieveTicket, Slot, StoreTicket
+from kvtier.tiers import Tiers
 
-
-@dataclass(slots=True)
-class PromptBlocks:
-    """One prompt's block digests (``block_size`` tokens each; with ``save_unfull_chunk`` the last may be
-    partial) and the per-block extra keys they were hashed with: what chunk keys and events are made of."""
-
-    block_size: int
-    digests: list[bytes]
-    extra_keys: tuple | None
-
-
-@dataclass(slots=True)
-class ChunkRef:
-    """Chunk ``index`` of a prompt: its key (the digest of its last block), token range ``[start, end)`` and
-    the prompt's blocks (shared by every ref of the prompt)."""
-
-    index: int
-    key: ChunkKey
-    start: int
-    end: int
-    blocks: PromptBlocks
-
-
-@dataclass(slots=True)
-class Slot:
-    """An L1 slot handed out for copying: chunk ref, arena offset, size in bytes and a view on it."""
-
-    ref: ChunkRef
-    offset: int
-    nbytes: int
-    view: memoryview
-
-
-@dataclass
-class StoreTicket:
-    """Slots reserved by ``begin_store``; invisible until ``commit_store``. ``limited``: reserving stopped at
-    the caller's ``max_bytes``, not for want of L1 space."""
-
-    tokens: np.ndarray
-    refs: list[ChunkRef]
-    slots: list[Slot] = field(default_factory=list)
-    limited: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(slot.nbytes for slot in self.slots)
-
-
-@dataclass
-class RetrieveTicket:
-    """Pinned slots of the leading available chunks; ``num_tokens`` tokens in all."""
-
-    slots: list[Slot] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slots[-1].ref.end if self.slots else 0
-
-
-class Tiers:
-    """What one process shares between caches: L1, the L2 cascade, metrics and the event emitter.
-    ``index_lookups``: L2 lookups from the adapters' in-memory indexes only (``L2Tier``; the server sets it)."""
-
-    def __init__(self, config: KVTierConfig, *, metrics: Metrics | None = None, shm_name: str | None = None,
-                 publish_events: bool = True, auth=None, index_lookups: bool = False):
-        if config.l1_size_bytes <= 0:
-            raise KVTierError("l1_size_gb must be > 0: L1 is where every chunk lands first; set e.g. l1_size_gb: 1")
-        self.config = config
-        self.metrics = metrics or Metrics()
-        self.events = None
-        if config.enable_kv_events:
-            from kvtier.events import EventEmitter, EventPublisher
-
-            # auth: the server's KeyRing, so the replay port accepts only its clients' keys
-            publisher = EventPublisher(config.kv_events, metrics=self.metrics, auth=auth) if publish_events else None
-            self.events = EventEmitter(config, publisher=publisher)
-        adapters = [create_adapter(spec) for spec in config.l2_adapters]
-        self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name)
-        self.l1.on_evict = self._on_l1_evict
-        self.memo = LookupMemo(config.lookup_memo_max_bytes)
-        record_key = config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None
-        self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
-                         config.l2_promote_to_faster_l2, record_key, config.l2_record_auth, index_lookups)
-        self.l2.on_changed = self._on_changed_after_commit
-        self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
-
-    def _on_l1_evict(self, evicted) -> None:
-        self.metrics.inc("kvtier_evicted_chunks_total", len(evicted), medium="CPU")
-        if self.events is not None:
-            self.events.removed([key.name() for key, _ in evicted], "CPU")
-
-    def _on_changed_after_commit(self, key: ChunkKey) -> None:
-        # its bytes are not what was committed: never serve them again (the L2 write was skipped)
-        if self.l1.remove(key) and self.events is not None:
-            self.events.removed([key.name()], "CPU")
-
-    def refresh_gauges(self) -> None:
-        self.metrics.set("kvtier_l1_usage_bytes", self.l1.used_bytes)
-        self.metrics.set("kvtier_l1_quarantined_bytes", self.l1.quarantined_bytes)
-        self.metrics.set("kvtier_l1_chunks", self.l1.num_chunks)
-
-    def clear(self, medium: str | None = None, *, wait: bool = True) -> None:
-        """Drop everything (``medium=None``: AllBlocksCleared), or only L1 (``"CPU"``) or only L2 (``"STORAGE"``).
-        L1 is cleared at once; L2 after its queued writes: waited for (at most 30 s) with ``wait``, else queued
-        (``L2Tier.clear_async``: lookups see no L2 chunk meanwhile)."""
-        if medium not in (None, "CPU", "STORAGE"):
-            raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
-        if self.events is not None:
-            self.events.cleared(medium)
-        if medium in (None, "CPU"):
-            self.l1.clear()
-        if medium in (None, "STORAGE"):
-            if wait:
-                self.l2.clear()
-            else:
-                self.l2.clear_async()
-        self.refresh_gauges()
-
-    def close(self, timeout_seconds: float = 10.0) -> bool:
-        """Finish queued L2 writes (at most ``timeout_seconds``), close adapters, the publisher and L1's memory.
-        Returns False when the writes did not finish in time."""
-        done = self.l2.close(timeout_seconds)
-        if self.events is not None and self.events.publisher is not None:
-            self.events.publisher.close()
-        self.l1.close()
-        return done
+# re-exported: ``from kvtier.cache import KVCache, Tiers, ChunkRef, ...`` keeps working
+__all__ = ["ChunkRef", "KVCache", "PromptBlocks", "RetrieveTicket", "Slot", "StoreTicket", "Tiers"]
 
 
 class KVCache:

@@ -63,7 +63,7 @@ class EventEmitter:
 
         Args:
             tokens: the prompt's token ids (1-D numpy int array or list), at least up to the last ref's end.
-            refs: ``cache.ChunkRef``s in chunk order (key, index, token range and the prompt's ``PromptBlocks``).
+            refs: ``tickets.ChunkRef``s in chunk order (key, index, token range and the prompt's ``PromptBlocks``).
             medium: ``"CPU"`` (L1), ``"STORAGE"`` (L2) or ``"GPU"``.
 
         Returns:

@@ -1,0 +1,73 @@
+"""Chunk refs and tickets: what ``KVCache`` hands out for one prompt.
+
+``PromptBlocks`` and ``ChunkRef`` name a prompt's chunks (keys, token ranges, the block digests events are made
+of); ``Slot`` is an L1 slot handed out for copying; ``StoreTicket`` / ``RetrieveTicket`` hold the slots reserved by
+``KVCache.begin_store`` or pinned by ``KVCache.begin_retrieve`` until ``commit_store`` / ``end_retrieve``. Plain
+data: no locks, no tier access.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier.keys import ChunkKey
+
+
+@dataclass(slots=True)
+class PromptBlocks:
+    """One prompt's block digests (``block_size`` tokens each; with ``save_unfull_chunk`` the last may be
+    partial) and the per-block extra keys they were hashed with: what chunk keys and events are made of."""
+
+    block_size: int
+    digests: list[bytes]
+    extra_keys: tuple | None
+
+
+@dataclass(slots=True)
+class ChunkRef:
+    """Chunk ``index`` of a prompt: its key (the digest of its last block), token range ``[start, end)`` and
+    the prompt's blocks (shared by every ref of the prompt)."""
+
+    index: int
+    key: ChunkKey
+    start: int
+    end: int
+    blocks: PromptBlocks
+
+
+@dataclass(slots=True)
+class Slot:
+    """An L1 slot handed out for copying: chunk ref, arena offset, size in bytes and a view on it."""
+
+    ref: ChunkRef
+    offset: int
+    nbytes: int
+    view: memoryview
+
+
+@dataclass
+class StoreTicket:
+    """Slots reserved by ``begin_store``; invisible until ``commit_store``. ``limited``: reserving stopped at
+    the caller's ``max_bytes``, not for want of L1 space."""
+
+    tokens: np.ndarray
+    refs: list[ChunkRef]
+    slots: list[Slot] = field(default_factory=list)
+    limited: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots)
+
+
+@dataclass
+class RetrieveTicket:
+    """Pinned slots of the leading available chunks; ``num_tokens`` tokens in all."""
+
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots[-1].ref.end if self.slots else 0

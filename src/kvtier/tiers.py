@@ -1,0 +1,85 @@
+"""Tiers: what one process shares between its caches (L1, the L2 cascade, metrics, the event emitter).
+
+A server makes one ``Tiers`` and a ``KVCache`` (``kvtier.cache``) per (model, KV layout) over it; an in-process
+``KVCache`` makes its own. L1 (``L1Store``) and ``L2Tier`` are thread-safe; ``Tiers`` adds no lock of its own.
+"""
+
+from __future__ import annotations
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import InputError, KVTierError
+from kvtier.keys import ChunkKey
+from kvtier.l1.store import L1Store
+from kvtier.l2 import create_adapter
+from kvtier.l2.tier import L2Tier
+from kvtier.memo import LookupMemo
+from kvtier.metrics import Metrics
+
+
+class Tiers:
+    """What one process shares between caches: L1, the L2 cascade, metrics and the event emitter.
+    ``index_lookups``: L2 lookups from the adapters' in-memory indexes only (``L2Tier``; the server sets it)."""
+
+    def __init__(self, config: KVTierConfig, *, metrics: Metrics | None = None, shm_name: str | None = None,
+                 publish_events: bool = True, auth=None, index_lookups: bool = False):
+        if config.l1_size_bytes <= 0:
+            raise KVTierError("l1_size_gb must be > 0: L1 is where every chunk lands first; set e.g. l1_size_gb: 1")
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.events = None
+        if config.enable_kv_events:
+            from kvtier.events import EventEmitter, EventPublisher
+
+            # auth: the server's KeyRing, so the replay port accepts only its clients' keys
+            publisher = EventPublisher(config.kv_events, metrics=self.metrics, auth=auth) if publish_events else None
+            self.events = EventEmitter(config, publisher=publisher)
+        adapters = [create_adapter(spec) for spec in config.l2_adapters]
+        self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name)
+        self.l1.on_evict = self._on_l1_evict
+        self.memo = LookupMemo(config.lookup_memo_max_bytes)
+        record_key = config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None
+        self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
+                         config.l2_promote_to_faster_l2, record_key, config.l2_record_auth, index_lookups)
+        self.l2.on_changed = self._on_changed_after_commit
+        self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
+
+    def _on_l1_evict(self, evicted) -> None:
+        self.metrics.inc("kvtier_evicted_chunks_total", len(evicted), medium="CPU")
+        if self.events is not None:
+            self.events.removed([key.name() for key, _ in evicted], "CPU")
+
+    def _on_changed_after_commit(self, key: ChunkKey) -> None:
+        # its bytes are not what was committed: never serve them again (the L2 write was skipped)
+        if self.l1.remove(key) and self.events is not None:
+            self.events.removed([key.name()], "CPU")
+
+    def refresh_gauges(self) -> None:
+        self.metrics.set("kvtier_l1_usage_bytes", self.l1.used_bytes)
+        self.metrics.set("kvtier_l1_quarantined_bytes", self.l1.quarantined_bytes)
+        self.metrics.set("kvtier_l1_chunks", self.l1.num_chunks)
+
+    def clear(self, medium: str | None = None, *, wait: bool = True) -> None:
+        """Drop everything (``medium=None``: AllBlocksCleared), or only L1 (``"CPU"``) or only L2 (``"STORAGE"``).
+        L1 is cleared at once; L2 after its queued writes: waited for (at most 30 s) with ``wait``, else queued
+        (``L2Tier.clear_async``: lookups see no L2 chunk meanwhile)."""
+        if medium not in (None, "CPU", "STORAGE"):
+            raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
+        if self.events is not None:
+            self.events.cleared(medium)
+        if medium in (None, "CPU"):
+            self.l1.clear()
+        if medium in (None, "STORAGE"):
+            if wait:
+                self.l2.clear()
+            else:
+                self.l2.clear_async()
+        self.refresh_gauges()
+
+    def close(self, timeout_seconds: float = 10.0) -> bool:
+        """Finish queued L2 writes (at most ``timeout_seconds``), close adapters, the publisher and L1's memory.
+        Returns False when the writes did not finish in time."""
+        done = self.l2.close(timeout_seconds)
+        if self.events is not None and self.events.publisher is not None:
+            self.events.publisher.close()
+        self.l1.close()
+        return done
