@@ -9,12 +9,10 @@ continues into L2-only chunks, and every ``Prefetch``, is handed to the promotio
 ``server.promote_timeout_seconds`` passes (then from L1 alone: the rest is a miss); ``Flush`` is answered
 when the L2 write queue drains; ``Clear`` clears L1 at once and queues the L2 clear behind the writes.
 L2 writes, probes and clears run on ``L2Tier``'s own daemon threads. Caches are made per
-(model, KV layout, namespace) on ``Hello`` and share the tiers. Store and retrieve hand out L1 slots;
-each reservation or pin is a *lease* that expires after ``server.lease_seconds``: an expired store is
-aborted (its half-written chunk never becomes visible; its slots are quarantined while the client may still
-write into them, ``server/limits.py``) and an expired retrieve is unpinned (the client's late ``RetrieveEnd``
-gets ``lease_expired`` and discards what it copied). Bounds per client, principal and in all: ``server/limits.py``;
-a long prompt is hashed on a worker before its request is handled (``server/prehash.py``).
+(model, KV layout, namespace) on ``Hello`` and share the tiers. Store, retrieve and prefetch, with the *leases*
+on the L1 slots they hand out (expired here, by ``_expire``), are ``server/dataops.py``. Bounds per client,
+principal and in all: ``server/limits.py``; a long prompt is hashed on a worker before its request is handled
+(``server/prehash.py``).
 """
 
 from __future__ import annotations
@@ -31,12 +29,13 @@ import msgspec
 import zmq
 
 from kvtier import protocol as P
-from kvtier.cache import KVCache, Tiers
+from kvtier.cache import KVCache
 from kvtier.client.dataplane import host_id
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
 from kvtier.server.auth import pick_port, server_keyring
+from kvtier.server.dataops import DataOps
 from kvtier.server.lookup import LookupProber
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
@@ -47,13 +46,12 @@ from kvtier.server.session import (
     Lease,
     Session,
     admin_refusal,
-    check_frames,
     check_hello,
-    frame_budget,
     handshake_values,
     scoped_namespace,
 )
 from kvtier.server.shm import hold_lock, reap_stale_shm
+from kvtier.tiers import Tiers
 from kvtier.zap import guarded_router
 
 log = logging.getLogger(__name__)
@@ -62,7 +60,7 @@ MAX_BATCH = 256  # messages handled per poll wake-up before leases are checked
 SWITCH_INTERVAL_SECONDS = 0.0005
 
 
-class KVTierServer:
+class KVTierServer(DataOps):
     """ZMQ request server over shared ``Tiers``.
 
     Args:
@@ -248,6 +246,15 @@ class KVTierServer:
         self.metrics.inc("kvtier_client_limit_exceeded_total", limit=limit)
         return P.Error(id=msg.id, code="limit_exceeded", message=message)
 
+    def _answer_hashed(self, jobs: list[Job], timed_out: bool = False) -> None:
+        """Handle requests whose long prompt the hashing worker has put in the memo (``server/prehash.py``)."""
+        for job in jobs:
+            with self.lock:
+                reply, out = (self._limited(job.msg, "hash_jobs", self.prehash.late(job)), []) if timed_out else \
+                    self._handle_msg(job.identity, job.msg, None, [], hashed=True)
+            if reply is not None:
+                self._send(job.identity, reply, out)
+
     # ---- handshake -----------------------------------------------------------------------------
     def _hello(self, identity: bytes, msg: P.Hello, auth: tuple[bool, str | None, str]):
         authenticated, tenant, principal = auth
@@ -316,200 +323,7 @@ class KVTierServer:
     def _on_Lookup(self, identity, session, msg, payload):  # deferred only to probe a shared L2 (server/lookup.py)
         return (None, []) if self.lookups.defer(identity, session, msg) else self.lookups.reply(identity, session, msg)
 
-    def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
-        tid = self._next_ticket
-        self._next_ticket += 1
-        nbytes = ticket.nbytes if kind == "store" else 0
-        self.leases[tid] = Lease(kind, identity, session.cache, ticket, shm, started,
-                                 started + self.config.server.lease_seconds, slots, session.usage, nbytes)
-        session.usage.add(leases=1, reserved_bytes=nbytes)
-        return tid
-
-    def _pop_lease(self, tid: int) -> Lease:
-        lease = self.leases.pop(tid)
-        lease.usage.add(leases=-1, reserved_bytes=-lease.nbytes)
-        return lease
-
-    def _on_StoreBegin(self, identity, session, msg, payload):
-        started = time.monotonic()
-        shm = msg.shm and session.shm
-        refusal = self.limits.check_leases(session.usage)
-        if refusal:
-            return self._limited(msg, *refusal), []
-        ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                           extra_keys=msg.extra_keys, start=msg.start,
-                                           max_bytes=self.limits.reserve_budget(session.usage))
-        if ticket.limited and not ticket.slots:
-            return self._limited(msg, *self.limits.reserved_refusal(session.usage)), []
-        if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store
-            keep = frame_budget(ticket.slots, self.config.server.max_message_bytes)
-            for slot in ticket.slots[keep:]:
-                self.tiers.l1.abort(slot.ref.key)
-            del ticket.slots[keep:]
-        if not ticket.slots:
-            session.cache.commit_store(ticket)
-            self.metrics.observe("kvtier_store_seconds", time.monotonic() - started)
-            return P.StoreSlots(id=msg.id, ticket=0, slots=[]), []
-        slots = [P.Slot(s.ref.index, s.offset if shm else -1, s.nbytes) for s in ticket.slots]
-        tid = self._new_lease("store", identity, session, ticket, shm, slots, started)
-        return P.StoreSlots(id=msg.id, ticket=tid, slots=slots), []
-
-    def _take_lease(self, msg, kind: str, identity: bytes):
-        lease = self.leases.get(msg.ticket)
-        if lease is None or lease.kind != kind or lease.identity != identity:
-            if kind == "store":  # the late commit of an expired store: the client's copy is over
-                self.quarantine.release_ticket(identity, msg.ticket)
-            if msg.ticket in self._expired:
-                return None, self._err(msg, "lease_expired", f"ticket {msg.ticket} expired after "
-                                       f"{self.config.server.lease_seconds} s; its slots were released")
-            return None, self._err(msg, "unknown_ticket", f"no {kind} ticket {msg.ticket} for this client")
-        return self._pop_lease(msg.ticket), None
-
-    def _on_StoreCommit(self, identity, session, msg, payload):
-        lease, error = self._take_lease(msg, "store", identity)
-        if error is not None:
-            return error, []
-        ok = msg.ok
-        if ok and not lease.shm:
-            problem = check_frames(payload, lease.slots)
-            if problem:
-                self._end_lease(lease, ok=False)
-                return self._err(msg, "bad_payload", problem), []
-            try:
-                for slot, frame in zip(lease.ticket.slots, payload):
-                    slot.view[:] = frame.buffer
-            except BaseException:
-                self._end_lease(lease, ok=False)  # never leak the reservation
-                raise
-        elif payload:
-            self._end_lease(lease, ok=False)
-            return self._err(msg, "bad_payload", "shared-memory store takes no payload frames"), []
-        stored = self._end_lease(lease, ok=ok)
-        if ok:
-            self.metrics.observe("kvtier_store_seconds", time.monotonic() - lease.started)
-        return P.StoreDone(id=msg.id, num_stored=stored), []
-
-    def _promote_later(self, identity, session, msg) -> bool:
-        """Hand the promotion of the L2-only chunks of ``msg.tokens`` to the pool when an L2 index holds the
-        first chunk L1 lacks. True: the reply is deferred (``_answer_promotions``)."""
-        cache = session.cache
-        namespace = session.namespace_for(msg.namespace)
-        tokens = P.unpack_tokens(msg.tokens)
-        start = getattr(msg, "start", 0)  # RetrieveBegin's (a sliding-window part's chunks from there on)
-        _, refs = cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys)
-        refs = refs[start // cache.chunk_size:] if start > 0 else refs
-        n = cache.l1_prefix(refs)
-        if n == len(refs) or not self.tiers.l2.lookup([refs[n].key]):
-            return False
-        now = time.monotonic()
-        job = Job(identity, msg, session, now, now + self.config.server.promote_timeout_seconds)
-        if self.promoter.submit(job, lambda: cache.prefetch(tokens, namespace, extra_keys=msg.extra_keys,
-                                                            start=start)):
-            return True
-        self.metrics.inc("kvtier_l2_promotions_refused_total")
-        return False
-
-    def _answer_promotions(self, jobs: list[Job], timed_out: bool = False) -> None:
-        """Reply to finished (or timed-out) promotions; a client gone meanwhile gets nothing and pins nothing."""
-        if not jobs:
-            return
-        with self.lock:
-            replies = []
-            for job in jobs:
-                if timed_out and isinstance(job.msg, P.Lookup):
-                    self.lookups.timed_out(job)
-                elif timed_out:
-                    self.metrics.inc("kvtier_l2_promote_timeouts_total")
-                    log.warning("L2 promotion for %s not done after %.1f s: answered from L1",
-                                type(job.msg).__name__, self.config.server.promote_timeout_seconds)
-                if self.sessions.get(job.identity) is not job.session:  # said Bye, went idle, or said Hello again
-                    continue
-                handler = {P.RetrieveBegin: self._retrieve_reply, P.Lookup: self.lookups.reply}.get(
-                    type(job.msg), self._prefetch_reply)
-                try:
-                    replies.append((job.identity, *handler(job.identity, job.session, job.msg, job.started)))
-                except KVTierError as exc:
-                    replies.append((job.identity, self._err(job.msg, "bad_request", str(exc)), []))
-        for identity, reply, out in replies:
-            self._send(identity, reply, out)
-
-    def _answer_hashed(self, jobs: list[Job], timed_out: bool = False) -> None:
-        """Handle requests whose long prompt the hashing worker has put in the memo (``server/prehash.py``)."""
-        for job in jobs:
-            with self.lock:
-                reply, out = (self._limited(job.msg, "hash_jobs", self.prehash.late(job)), []) if timed_out else \
-                    self._handle_msg(job.identity, job.msg, None, [], hashed=True)
-            if reply is not None:
-                self._send(job.identity, reply, out)
-
-    def _on_Prefetch(self, identity, session, msg, payload):
-        self.metrics.inc("kvtier_prefetch_requests_total")
-        if self._promote_later(identity, session, msg):
-            return None, []
-        return self._prefetch_reply(identity, session, msg, time.monotonic())
-
-    def _prefetch_reply(self, identity, session, msg, started):
-        _, refs = session.cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                           extra_keys=msg.extra_keys)
-        n = session.cache.l1_prefix(refs)
-        return P.PrefetchReply(id=msg.id, num_tokens=refs[n - 1].end if n else 0), []
-
-    def _on_RetrieveBegin(self, identity, session, msg, payload):
-        if self._promote_later(identity, session, msg):
-            return None, []
-        return self._retrieve_reply(identity, session, msg, time.monotonic())
-
-    def _retrieve_reply(self, identity, session, msg, started):
-        """Pin what L1 holds of the prompt (no L2 access) and answer ``RetrieveBegin``."""
-        cache = session.cache
-        refusal = self.limits.check_leases(session.usage)
-        if refusal and msg.shm and session.shm:
-            return self._limited(msg, *refusal), []
-        ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                      extra_keys=msg.extra_keys, promote=False, start=msg.start)
-        shm = msg.shm and session.shm
-        if not shm:
-            keep = frame_budget(ticket.slots, self.config.server.max_message_bytes)
-            refusal = self.limits.check_unread(session.usage, sum(s.nbytes for s in ticket.slots[:keep]))
-            if refusal:
-                cache.end_retrieve(ticket)
-                return self._limited(msg, *refusal), []
-            try:
-                slots = [P.Slot(s.ref.index, -1, s.nbytes) for s in ticket.slots[:keep]]
-                frames = [bytes(s.view) for s in ticket.slots[:keep]]  # copied before the pins go
-                num_tokens = ticket.slots[keep - 1].ref.end if keep else 0
-            finally:
-                cache.end_retrieve(ticket)
-            self.metrics.observe("kvtier_retrieve_seconds", time.monotonic() - started)
-            return P.RetrieveData(id=msg.id, num_tokens=num_tokens, slots=slots), frames
-        if not ticket.slots:
-            self.metrics.observe("kvtier_retrieve_seconds", time.monotonic() - started)
-            return P.RetrieveSlots(id=msg.id, ticket=0, num_tokens=0, slots=[]), []
-        slots = [P.Slot(s.ref.index, s.offset, s.nbytes) for s in ticket.slots]
-        tid = self._new_lease("retrieve", identity, session, ticket, True, slots, started)
-        return P.RetrieveSlots(id=msg.id, ticket=tid, num_tokens=ticket.num_tokens, slots=slots), []
-
-    def _on_RetrieveEnd(self, identity, session, msg, payload):
-        lease, error = self._take_lease(msg, "retrieve", identity)
-        if error is not None:
-            return error, []
-        self._end_lease(lease, ok=True)
-        self.metrics.observe("kvtier_retrieve_seconds", time.monotonic() - lease.started)
-        return P.Ok(id=msg.id), []
-
     # ---- leases and sessions -------------------------------------------------------------------
-    def _end_lease(self, lease: Lease, ok: bool, tid: int = 0) -> int:
-        if lease.kind == "store":
-            if not ok and lease.shm and tid:  # expired: the client may still be writing into these slots
-                session = self.sessions.get(lease.identity)
-                pid, start = (session.pid, session.pid_start) if session is not None else (0, None)
-                self.quarantine.add(lease.identity, tid, pid, start, lease.cache.quarantine_store(lease.ticket),
-                                    lease.usage)
-                return 0
-            return lease.cache.commit_store(lease.ticket, ok=ok)
-        lease.cache.end_retrieve(lease.ticket)
-        return 0
-
     def _expire(self) -> None:
         now = time.monotonic()
         with self.lock:
