@@ -35,6 +35,10 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_l2_write_dropped_total", "counter", "L2 writes dropped because the write queue was full or the write failed."),
     MetricSpec("kvtier_l2_writes_total", "counter", "Chunk records written to an L2 adapter.", ("adapter",)),
     MetricSpec("kvtier_l2_promoted_chunks_total", "counter", "L2 hits copied into L1."),
+    MetricSpec("kvtier_l2_read_chunks_total", "counter", "Chunk records read from an L2 adapter (before "
+               "verification).", ("adapter",)),
+    MetricSpec("kvtier_l2_promotions_joined_total", "counter", "Server retrieves or prefetches that waited for a "
+               "promotion already reading the same chunks from L2 instead of reading them a second time."),
     MetricSpec("kvtier_l2_promote_timeouts_total", "counter", "Server promotions (retrieve or prefetch) not done "
                "within server.promote_timeout_seconds: answered from L1 alone (a miss for the rest)."),
     MetricSpec("kvtier_l2_promotions_refused_total", "counter", "Server promotions not started because "

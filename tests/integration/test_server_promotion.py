@@ -189,3 +189,26 @@ def test_clear_does_not_wait_for_the_write_queue(tmp_path):
             assert client.store(other, other_kv) == 2  # L1 serves again at once
             assert client.lookup(other) == len(other)
         assert srv.status()["l2"][0]["healthy"] is True
+
+
+def test_a_retrieve_during_its_prefetch_waits_for_that_read(tmp_path):
+    tokens, kv = prompt(9, 5)
+    head = tokens[:3 * CHUNK]
+    with server(tmp_path, faulty(tmp_path, 1.0, ["get"]), promote_timeout_seconds=30.0) as srv:
+        with Client(srv.url, model="m", layout=LAYOUT, timeout_seconds=20) as client:
+            only_in_l2(client, tokens, kv)
+            raw = Raw(srv.url)
+            try:
+                raw.send(P.Prefetch(id=2, tokens=P.pack_tokens(head)))
+                wait_for(lambda: srv.status()["promotions"]["in_flight"] == 1, what="the prefetch to start")
+                # the same first chunks: this retrieve follows the prefetch's read, then reads the 2 chunks past it
+                out, n = client.retrieve(tokens)
+                assert n == len(tokens) and torch.equal(out, kv)
+                reply = raw.recv()
+                assert isinstance(reply, P.PrefetchReply) and reply.num_tokens == len(head)
+            finally:
+                raw.close()
+            assert counter(srv, "kvtier_l2_promotions_joined_total") == 1
+            # each record read once: without the join the retrieve would have read all 5 beside the prefetch's 3
+            assert counter(srv, "kvtier_l2_read_chunks_total", adapter="faulty") == 5
+            assert srv.status()["promotions"] == {"waiting": 0, "in_flight": 0}

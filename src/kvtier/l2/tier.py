@@ -176,6 +176,8 @@ class L2Tier:
                 break
             bufs = self._per_name(adapter, "get", [names[i] for i in todo], None)
             self.index.note(adapter, [names[i] for i, buf in zip(todo, bufs) if buf is None], False)
+            self.metrics.inc("kvtier_l2_read_chunks_total", sum(1 for buf in bufs if buf is not None),
+                             adapter=adapter.label)
             for i, buf in zip(todo, bufs):
                 if buf is not None:
                     found[i] = self._verify(adapter, index, keys[i], token_ids[i], buf)

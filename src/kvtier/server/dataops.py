@@ -104,9 +104,11 @@ class DataOps:
             self.metrics.observe("kvtier_store_seconds", time.monotonic() - lease.started)
         return P.StoreDone(id=msg.id, num_stored=stored), []
 
-    def _promote_later(self, identity, session, msg) -> bool:
+    def _promote_later(self, identity, session, msg, after: Job | None = None) -> bool:
         """Hand the promotion of the L2-only chunks of ``msg.tokens`` to the pool when an L2 index holds the
-        first chunk L1 lacks. True: the reply is deferred (``_answer_promotions``)."""
+        first chunk L1 lacks; it joins a promotion already reading that chunk (``Promoter.submit``). True: the
+        reply is deferred (``_answer_promotions``). ``after``: the job this request followed, now finished
+        (its start and deadline are kept: what that promotion did not bring is read now)."""
         cache = session.cache
         namespace = session.namespace_for(msg.namespace)
         tokens = P.unpack_tokens(msg.tokens)
@@ -117,9 +119,15 @@ class DataOps:
         if n == len(refs) or not self.tiers.l2.lookup([refs[n].key]):
             return False
         now = time.monotonic()
-        job = Job(identity, msg, session, now, now + self.config.server.promote_timeout_seconds)
+        started, deadline = (after.started, after.deadline) if after else \
+            (now, now + self.config.server.promote_timeout_seconds)
+        if deadline <= now:
+            return False
+        job = Job(identity, msg, session, started, deadline)
         if self.promoter.submit(job, lambda: cache.prefetch(tokens, namespace, extra_keys=msg.extra_keys,
-                                                            start=start)):
+                                                            start=start), key=refs[n].key):
+            if job.joined:
+                self.metrics.inc("kvtier_l2_promotions_joined_total")
             return True
         self.metrics.inc("kvtier_l2_promotions_refused_total")
         return False
@@ -139,6 +147,8 @@ class DataOps:
                                 type(job.msg).__name__, self.config.server.promote_timeout_seconds)
                 if self.sessions.get(job.identity) is not job.session:  # said Bye, went idle, or said Hello again
                     continue
+                if job.joined and not timed_out and self._promote_later(job.identity, job.session, job.msg, job):
+                    continue  # the promotion it waited for left part of its prompt in L2 only: read that now
                 handler = {P.RetrieveBegin: self._retrieve_reply, P.Lookup: self.lookups.reply}.get(
                     type(job.msg), self._prefetch_reply)
                 try:

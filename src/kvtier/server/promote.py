@@ -13,6 +13,11 @@ finishes after its deadline still leaves its copies in L1 (useful to the next re
 A job whose deadline passed before a worker picked it up is skipped. Workers are daemon threads: an adapter
 that hangs forever holds its worker, never the process (``max_promotions`` bounds what piles up behind it).
 
+Joining: a job submitted with a ``key`` (the first chunk it would read from L2) while an unfinished job with the
+same key is queued or running is not queued: it *follows* that job and is handed back with it (``take_ready``),
+so a retrieve arriving while its prompt's prefetch reads L2 waits for that read instead of reading the same
+records again. A follower keeps its own deadline (``take_expired``) and does not count in ``max_jobs``.
+
 Thread-safety: ``submit``, ``take_ready``, ``take_expired`` and ``close`` are called by the request loop only;
 workers touch the job's ``fn`` and the ready queue. L1 and L2 are thread-safe on their own.
 """
@@ -76,6 +81,9 @@ class Job:
     result: Any = None
     answered: bool = False
     finished: bool = field(default=False, repr=False)
+    key: Any = field(default=None, repr=False)  # what followers join on (``Promoter.submit``)
+    followers: list[Job] = field(default_factory=list, repr=False)
+    joined: bool = False  # True: this job followed another one and ran nothing itself
 
 
 class Promoter:
@@ -95,6 +103,7 @@ class Promoter:
         self._wakeup = Wakeup()
         self._lock = threading.Lock()
         self._in_flight = 0  # submitted and not finished (abandoned ones too: their worker may still be stuck)
+        self._running: dict[Any, Job] = {}  # key -> the unfinished job followers join (under _lock)
         self.waiting: dict[int, Job] = {}  # id(job) -> job, submitted and not answered
         self._threads = [threading.Thread(target=self._work, name=f"kvtier-promote-{i}", daemon=True)
                          for i in range(threads)]
@@ -105,13 +114,23 @@ class Promoter:
         """A file descriptor readable when finished jobs are waiting (for ``zmq.Poller``)."""
         return self._wakeup.fileno()
 
-    def submit(self, job: Job, fn: Callable[[], Any]) -> bool:
-        """Queue ``fn`` for ``job``; False (nothing queued) when ``max_jobs`` are in flight."""
-        with self._lock:
+    def submit(self, job: Job, fn: Callable[[], Any], key: Any = None) -> bool:
+        """Queue ``fn`` for ``job``, or make ``job`` follow the unfinished job submitted with the same ``key``
+        (sets ``job.joined``; ``fn`` is not run). False (nothing queued) when ``max_jobs`` are in flight."""
+        with self._lock:  # a worker marks its job finished under it: a follower never joins a job handed back
+            leader = self._running.get(key) if key is not None else None
+            if leader is not None:
+                job.joined = True
+                leader.followers.append(job)
+                self.waiting[id(job)] = job
+                return True
             if self._in_flight >= self.max_jobs:
                 return False
             self._in_flight += 1
             self.metrics.set("kvtier_l2_promotions_in_flight", self._in_flight)
+            if key is not None:
+                job.key = key
+                self._running[key] = job
         self.waiting[id(job)] = job
         self._todo.put((job, fn))
         return True
@@ -131,12 +150,14 @@ class Promoter:
                 with self._lock:
                     self._in_flight -= 1
                     self.metrics.set("kvtier_l2_promotions_in_flight", self._in_flight)
-                job.finished = True
+                    if job.key is not None and self._running.get(job.key) is job:
+                        del self._running[job.key]
+                    job.finished = True
                 self._ready.put(job)
                 self._wakeup.notify()
 
     def take_ready(self) -> list[Job]:
-        """Finished jobs still waiting for their answer (marked answered)."""
+        """Finished jobs, and their followers, still waiting for their answer (marked answered)."""
         self._wakeup.drain()
         out = []
         while True:
@@ -144,10 +165,11 @@ class Promoter:
                 job = self._ready.get_nowait()
             except queue.Empty:
                 return out
-            if not job.answered:
-                job.answered = True
-                self.waiting.pop(id(job), None)
-                out.append(job)
+            for one in (job, *job.followers):
+                if not one.answered:
+                    one.answered = one.finished = True
+                    self.waiting.pop(id(one), None)
+                    out.append(one)
 
     def take_expired(self, now: float) -> list[Job]:
         """Unfinished jobs past their deadline (marked answered; their workers' results will be ignored)."""
