@@ -92,7 +92,7 @@ def test_fast_pickle_path_equals_pickle_dumps(algorithm):
     rng = np.random.default_rng(7)
     for trial in range(200):
         block_size = int(rng.integers(1, 48))
-        high = int(rng.choice([24, 256, 65536, 2**31]))
+        high = int(rng.choice([24, 256, 65536, 2**31, 2**40, 2**48, 2**56, 2**63]))
         tokens = rng.integers(0, high, int(rng.integers(0, 300))).tolist()
         partial = bool(trial % 2)
         n = len(tokens) // block_size + (1 if partial and len(tokens) % block_size else 0)
@@ -106,13 +106,17 @@ def test_fast_pickle_path_equals_pickle_dumps(algorithm):
         assert prefix_hashes(tokens, block_size, algorithm, "s", extra, include_partial=partial) == expected, trial
 
 
-def test_token_ids_beyond_int32_fall_back_to_pickle():
+def test_token_ids_beyond_int32_hash_as_pickle_long1():
     import hashlib
     import pickle
-    tokens = [1, 2**31, 2**40, 5]
+    edges = [2**31 - 1, 2**31, 2**39 - 1, 2**39, 2**47 - 1, 2**47, 2**55 - 1, 2**55, 2**63 - 1]
+    tokens = [1, *edges, 300, 70_000, 5]
     parent = root_hash("sha256", "s")
     want = hashlib.sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5)).digest()
-    assert prefix_hashes(tokens, 4, "sha256", "s") == [want]
+    assert prefix_hashes(tokens, len(tokens), "sha256", "s") == [want]
+    big = np.arange(6000, dtype=np.int64) + 2**62  # the largest block the vectorised path takes, 10 bytes a token
+    want = hashlib.sha256(pickle.dumps((parent, tuple(big.tolist()), None), protocol=5)).digest()
+    assert prefix_hashes(big, 6000, "sha256", "s") == [want]
 
 
 def test_blocks_partial_and_extra_keys():
