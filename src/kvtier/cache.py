@@ -63,11 +63,13 @@ class KVCache:
         self._memo = self.tiers.memo  # (model, layout, namespace, prompt digest, extra keys) -> chunk refs
 
     # ---- keys --------------------------------------------------------------------------
-    def chunk_refs(self, tokens, namespace: str | None = None, *,
-                   extra_keys=None) -> tuple[np.ndarray, list[ChunkRef]]:
+    def chunk_refs(self, tokens, namespace: str | None = None, *, extra_keys=None,
+                   hasher=prefix_hashes) -> tuple[np.ndarray, list[ChunkRef]]:
         """Validate ``tokens`` (and ``extra_keys``) and cut them into chunk refs: full chunks, and the partial
-        tail only with ``save_unfull_chunk``. Blocks are hashed in a chain (``hashing.prefix_hashes``); a chunk's
-        key is the digest of its last block. Raises InputError on bad tokens or extra keys."""
+        tail only with ``save_unfull_chunk``. Blocks are hashed in a chain (``hasher``: ``hashing.prefix_hashes``
+        or a callable with its signature and results, e.g. the server's ``HashProcess.prefix_hashes``); a chunk's
+        key is the digest of its last block. The refs are memoised. Raises InputError on bad tokens or extra keys
+        (and what ``hasher`` raises)."""
         arr, ns, extra, memo_key = self._memo_key(tokens, namespace, extra_keys)
         refs = self._memo.get(memo_key)
         if refs is not None:
@@ -75,7 +77,7 @@ class KVCache:
         cfg = self.config
         bs, c = cfg.effective_block_size, cfg.chunk_size
         end = len(arr) if cfg.save_unfull_chunk else len(arr) // c * c  # tokens that belong to a chunk
-        digests = prefix_hashes(arr[:end], bs, cfg.hash_algorithm, cfg.hash_seed, extra, include_partial=True)
+        digests = hasher(arr[:end], bs, cfg.hash_algorithm, cfg.hash_seed, extra, include_partial=True)
         blocks = PromptBlocks(bs, digests, None if extra is None else extra[:len(digests)])
         refs = []
         for i, start in enumerate(range(0, end, c)):

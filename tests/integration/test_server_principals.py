@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import torch
 from support.raw import Raw
 from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, metric_value
@@ -143,6 +144,11 @@ def test_long_prompts_are_hashed_off_the_request_thread_and_answered_right(tmp_p
         assert client.store(short, kv_short) == 2
         assert client.store(long, kv_long) == 8  # parked: hashed by the worker, then stored as usual
         assert client.lookup(long) == 8 * CHUNK and client.lookup(long + tokens_of(3, 4)) == 8 * CHUNK
+        # hashed by the server's hashing child at a lower priority; a short prompt, hashed on the request
+        # thread, finds the same chunk keys
+        hashers = [p for p in psutil.Process(server.proc.pid).children() if "kvtier.server.hashproc" in p.cmdline()]
+        assert len(hashers) == 1 and hashers[0].nice() > psutil.Process().nice()
+        assert client.lookup(long[:3 * CHUNK]) == 3 * CHUNK
         out, n = client.retrieve(long)
         assert n == 8 * CHUNK and torch.equal(out, kv_long)
         # two prompts parked: the first seen (store), and the longer one; repeats come from the memo

@@ -15,6 +15,7 @@ it copied).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
@@ -28,15 +29,17 @@ log = logging.getLogger(__name__)
 
 class DataOps:
     """Store / retrieve / prefetch handlers and leases of ``KVTierServer``, which sets the state they use
-    (``config``, ``metrics``, ``tiers``, ``lock``, ``sessions``, ``leases``, ``_expired``, ``_next_ticket``,
+    (``config``, ``metrics``, ``tiers``, ``lock``, ``sessions``, ``leases``, ``_lease_deadlines``, ``_expired``, ``_next_ticket``,
     ``limits``, ``quarantine``, ``promoter``, ``lookups``) and provides ``_err``, ``_limited`` and ``_send``."""
 
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
         tid = self._next_ticket
         self._next_ticket += 1
         nbytes = ticket.nbytes if kind == "store" else 0
-        self.leases[tid] = Lease(kind, identity, session.cache, ticket, shm, started,
-                                 started + self.config.server.lease_seconds, slots, session.usage, nbytes)
+        deadline = started + self.config.server.lease_seconds
+        self.leases[tid] = Lease(kind, identity, session.cache, ticket, shm, started, deadline, slots, session.usage,
+                                 nbytes)
+        heapq.heappush(self._lease_deadlines, (deadline, tid))
         session.usage.add(leases=1, reserved_bytes=nbytes)
         return tid
 

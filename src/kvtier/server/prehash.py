@@ -4,8 +4,10 @@ Hashing a prompt (``KVCache.chunk_refs``) costs about 0.25 µs per token on the 
 just long) prompt would hold every other client for that long. A request whose prompt has at least
 ``server.hash_offload_min_tokens`` tokens and is not in the lookup memo is parked here instead: the worker
 computes its chunk refs (which puts them in the memo) and the request loop then handles the request as usual,
-now without hashing. The worker holds the GIL while it hashes, but the server's switch interval (0.5 ms) lets
-the request thread take it back between two requests.
+now without hashing. The block hashing itself runs in a child process at a lower CPU priority
+(``server/hashproc.py``): the worker thread waits on its pipe without the GIL, so a stream of long prompts does
+not hold the request thread (hashed on the thread, it did: honest lookups' p99 rose 3x under such a flood). When
+the child is not available the worker hashes in process.
 
 Fairness: parked requests are queued per principal and the worker takes them round-robin, so a principal
 flooding long prompts delays its own, not another's. Bounds: each parked request counts as in flight for its
@@ -25,6 +27,8 @@ from collections import OrderedDict, deque
 
 from kvtier import protocol as P
 from kvtier.errors import KVTierError
+from kvtier.hashing import prefix_hashes
+from kvtier.server.hashproc import HashProcess, HashProcessError
 from kvtier.server.promote import Job, Wakeup
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,7 @@ class Prehasher:
         self.waiting: dict[int, Job] = {}  # id(job) -> job, parked and not answered
         self._wakeup = Wakeup()
         self._stopped = False
+        self._hashproc = HashProcess()
         self._thread = threading.Thread(target=self._work, name="kvtier-prehash", daemon=True)
         self._thread.start()
 
@@ -104,14 +109,20 @@ class Prehasher:
                 return
             try:
                 if not job.answered and time.monotonic() < job.deadline:
-                    msg, session = job.msg, job.session
-                    session.cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                             extra_keys=msg.extra_keys)
+                    self._hash(job.msg, job.session)
             except Exception:  # noqa: BLE001 -- bad input is answered by the handler; never a dead worker
                 log.debug("prehash failed", exc_info=True)
             job.finished = True
             self._ready.append(job)
             self._wakeup.notify()
+
+    def _hash(self, msg, session) -> None:
+        """Put ``msg``'s chunk refs in its cache's memo, hashed by the child process, or here if it is not available."""
+        tokens, namespace = P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace)
+        try:
+            session.cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys, hasher=self._hashproc.prefix_hashes)
+        except HashProcessError:
+            session.cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys, hasher=prefix_hashes)
 
     def take_ready(self) -> list[Job]:
         """Hashed requests to handle now (their in-flight count released)."""
@@ -145,4 +156,5 @@ class Prehasher:
             self._stopped = True
             self._cond.notify()
         self._thread.join(5.0)
+        self._hashproc.close()
         self._wakeup.close()

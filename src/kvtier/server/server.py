@@ -17,6 +17,7 @@ principal and in all: ``server/limits.py``; a long prompt is hashed on a worker 
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import sys
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
 MAX_BATCH = 256  # messages handled per poll wake-up before leases are checked
 SWITCH_INTERVAL_SECONDS = 0.0005
+IDLE_SCAN_SECONDS = 1.0  # idle sessions are looked for this often (each scan visits every session)
 
 
 class KVTierServer(DataOps):
@@ -126,6 +128,9 @@ class KVTierServer(DataOps):
         self.caches: dict[tuple[str, str, str], KVCache] = {}
         self.sessions: dict[bytes, Session] = {}
         self.leases: dict[int, Lease] = {}
+        # (deadline, ticket) of every lease, ended ones too until their deadline: _expire never scans all leases
+        self._lease_deadlines: list[tuple[float, int]] = []
+        self._next_idle_scan = 0.0
         self._expired: deque[int] = deque(maxlen=4096)  # recently expired tickets: "lease_expired", not "unknown"
         self._next_ticket = 1
         self._flushes: list[tuple] = []  # deferred Flush replies: (identity, id, deadline, usage)
@@ -327,7 +332,7 @@ class KVTierServer(DataOps):
     def _expire(self) -> None:
         now = time.monotonic()
         with self.lock:
-            for tid in [t for t, lease in self.leases.items() if lease.deadline <= now]:
+            for tid in self._due_leases(now):
                 lease = self._pop_lease(tid)
                 self._expiry_log.expired(lease.kind, tid, self.config.server.lease_seconds,
                                          "reservation aborted" if lease.kind == "store" else "pins released")
@@ -341,6 +346,9 @@ class KVTierServer(DataOps):
                     self._flushes.remove(entry)
                     entry[3].add(inflight=-1)  # also when the session is gone: its principal's count must drop
                     self._send(entry[0], P.FlushReply(id=entry[1], done=done))
+            if now < self._next_idle_scan:
+                return
+            self._next_idle_scan = now + IDLE_SCAN_SECONDS
             idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.session_idle_seconds]
             for identity in idle:
                 del self.sessions[identity]
@@ -348,6 +356,18 @@ class KVTierServer(DataOps):
             if idle:
                 self._drop_idle_caches()
                 self.metrics.set("kvtier_connected_clients", len(self.sessions))
+
+    def _due_leases(self, now: float) -> list[int]:
+        """Tickets of live leases whose deadline has passed (their heap entries popped)."""
+        heap, due = self._lease_deadlines, []
+        while heap and heap[0][0] <= now:
+            tid = heapq.heappop(heap)[1]
+            if tid in self.leases:
+                due.append(tid)
+        if len(heap) > 2 * len(self.leases) + 1024:  # many ended early: keep the heap the size of the leases
+            self._lease_deadlines = [(lease.deadline, t) for t, lease in self.leases.items()]
+            heapq.heapify(self._lease_deadlines)
+        return due
 
     def _drop_idle_caches(self) -> None:
         """Forget caches no session or lease uses (their chunks stay in L1 and L2 under their keys)."""

@@ -1,0 +1,169 @@
+"""A child process that hashes long prompts for the server, at a lower CPU priority, without the server's GIL.
+
+The hashing worker (``server/prehash.py``) hands every long prompt's block hashing (``hashing.prefix_hashes``)
+to this process. Hashed on a thread of the server, a stream of long prompts held the GIL most of the time and
+every short request waited for it; here the server's worker thread only waits on a pipe, and the child runs at
+``HASH_NICENESS``, so the kernel runs the request thread first whenever both want a core.
+
+Wire format (stdin / stdout of the child, nothing pickled): each message is a 4-byte little-endian length and a
+msgspec MessagePack body: ``HashJob`` to the child, ``HashDone`` or ``HashFailed`` back, one reply per job, in
+order. ``HashJob.tokens`` is the prompt as int64 little-endian bytes; ``extra_keys`` were checked by the server
+(``identity.check_extra_keys``); MessagePack turns their tuples into lists, and the child turns them back (the
+hash pickles them: a list would give another digest).
+
+Life cycle: started by the first ``prefix_hashes`` call; the child exits when its stdin closes (the server
+stopped or died). A child that dies or answers garbage is restarted by the next call after
+``RESTART_BACKOFF_SECONDS``; until then ``prefix_hashes`` raises ``HashProcessError`` and the caller hashes in
+process. Thread-safety: one caller at a time (the hashing worker thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+
+from kvtier.errors import InputError
+from kvtier.hashing import prefix_hashes
+
+log = logging.getLogger(__name__)
+HASH_NICENESS = 10
+RESTART_BACKOFF_SECONDS = 5.0
+MAX_FRAME_BYTES = 1 << 30
+_LEN = struct.Struct("<I")
+
+
+class HashJob(msgspec.Struct, tag="job"):
+    tokens: bytes  # int64 little-endian
+    block_size: int
+    algorithm: str
+    seed: str
+    extra_keys: list | None = None
+    include_partial: bool = False
+
+
+class HashDone(msgspec.Struct, tag="done"):
+    digests: list[bytes]
+
+
+class HashFailed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+class HashProcessError(RuntimeError):
+    """The hashing process is not available (not started, died, or answered out of protocol)."""
+
+
+def _write(stream, body: bytes) -> None:
+    stream.write(_LEN.pack(len(body)) + body)
+    stream.flush()
+
+
+def _read(stream) -> bytes | None:
+    head = stream.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    (size,) = _LEN.unpack(head)
+    body = stream.read(size) if size <= MAX_FRAME_BYTES else b""
+    return body if len(body) == size else None
+
+
+class HashProcess:
+    """The server's end of the hashing child (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._failed_at = -RESTART_BACKOFF_SECONDS
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(HashDone | HashFailed)
+
+    def prefix_hashes(self, tokens: np.ndarray, block_size: int, algorithm: str, seed: str, extra_keys=None, *,
+                      include_partial: bool = False) -> list[bytes]:
+        """``hashing.prefix_hashes`` computed by the child; ``tokens`` is an int64 array, ``extra_keys`` as checked
+        by ``identity.check_extra_keys``. Raises InputError as ``prefix_hashes`` does, HashProcessError when the
+        child is not available (the caller hashes in process)."""
+        proc = self._running()
+        job = HashJob(np.ascontiguousarray(tokens, "<i8").tobytes(), block_size, algorithm, seed,
+                      None if extra_keys is None else list(extra_keys), include_partial)
+        try:
+            _write(proc.stdin, self._encoder.encode(job))
+            body = _read(proc.stdout)
+            reply = None if body is None else self._decoder.decode(body)
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+        if reply is None:
+            self._fail("it exited")
+        if isinstance(reply, HashFailed):  # only bad input gets here: the same error as hashing in process
+            raise InputError(reply.message)
+        return reply.digests
+
+    def _running(self) -> subprocess.Popen:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                return self._proc
+            self._fail(f"it exited with status {self._proc.returncode}")
+        if time.monotonic() - self._failed_at < RESTART_BACKOFF_SECONDS:
+            raise HashProcessError("the hashing process failed recently; hashing in process")
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "kvtier.server.hashproc"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, close_fds=True)
+        except OSError as exc:
+            self._fail(f"cannot start it: {exc}")
+        return self._proc
+
+    def _fail(self, why: str):
+        self._failed_at = time.monotonic()
+        self.close()
+        log.warning("hashing process: %s; long prompts are hashed in the server process for %.0f s",
+                    why, RESTART_BACKOFF_SECONDS)
+        raise HashProcessError(why)
+
+    def close(self) -> None:
+        """Stop the child (it exits when its stdin closes; killed if it does not within 2 s)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tuples(value):
+    """Lists back to tuples, all the way down (``identity.check_extra_keys``'s form)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def main() -> None:
+    """The child: answer ``HashJob`` frames on stdin until it closes."""
+    try:
+        os.nice(HASH_NICENESS)
+    except OSError:
+        pass
+    decoder, encoder = msgspec.msgpack.Decoder(HashJob), msgspec.msgpack.Encoder()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while (body := _read(stdin)) is not None:
+        try:
+            job = decoder.decode(body)
+            extra = None if job.extra_keys is None else _tuples(job.extra_keys)
+            reply = HashDone(prefix_hashes(np.frombuffer(job.tokens, "<i8"), job.block_size, job.algorithm, job.seed, extra,
+                                           include_partial=job.include_partial))
+        except Exception as exc:  # noqa: BLE001 -- every job gets its answer; the server raises it as InputError
+            reply = HashFailed(f"{exc}")
+        _write(stdout, encoder.encode(reply))
+
+
+if __name__ == "__main__":
+    main()

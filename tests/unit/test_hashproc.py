@@ -1,0 +1,68 @@
+"""The server's hashing child process (``kvtier.server.hashproc``): the same digests as hashing in process, bad
+input answered as the same error, a dead child replaced, a lower CPU priority. A real child process each time."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from kvtier.errors import InputError
+from kvtier.hashing import prefix_hashes
+from kvtier.server import hashproc
+from kvtier.server.hashproc import HashProcess, HashProcessError
+
+
+@pytest.fixture
+def proc():
+    p = HashProcess()
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor", "xxhash", "sha256_cbor_64bit"])
+def test_same_digests_as_in_process(proc, algorithm):
+    rng = np.random.default_rng(3)
+    for high in (300, 2**31, 2**62):
+        tokens = rng.integers(0, high, 1000)
+        blocks = 1000 // 16 + 1
+        extra = tuple(None if i % 3 else (("lora", "a", "/p"), b"\x00img", 7) for i in range(blocks))
+        for keys in (None, extra):
+            want = prefix_hashes(tokens, 16, algorithm, "seed", keys, include_partial=True)
+            assert proc.prefix_hashes(tokens, 16, algorithm, "seed", keys, include_partial=True) == want
+    assert proc.prefix_hashes(np.zeros(0, np.int64), 16, algorithm, "seed") == []
+
+
+def test_bad_input_is_the_in_process_error(proc):
+    with pytest.raises(InputError) as here:
+        prefix_hashes(np.arange(32), 16, "sha256", "s", (None,))
+    with pytest.raises(InputError) as child:
+        proc.prefix_hashes(np.arange(32), 16, "sha256", "s", (None,))
+    assert str(child.value) == str(here.value)
+    assert proc.prefix_hashes(np.arange(32), 16, "sha256", "s") == prefix_hashes(np.arange(32), 16, "sha256", "s")
+
+
+def test_runs_at_a_lower_priority_and_stops_on_close(proc):
+    proc.prefix_hashes(np.arange(32), 16, "sha256", "s")
+    child = proc._proc
+    assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + hashproc.HASH_NICENESS)
+    proc.close()
+    assert child.poll() is not None
+
+
+def test_a_dead_child_is_replaced_after_the_backoff(proc, monkeypatch):
+    tokens = np.arange(64)
+    want = prefix_hashes(tokens, 16, "sha256", "s")
+    assert proc.prefix_hashes(tokens, 16, "sha256", "s") == want
+    first = proc._proc
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    with pytest.raises(HashProcessError):
+        proc.prefix_hashes(tokens, 16, "sha256", "s")
+    with pytest.raises(HashProcessError, match="failed recently"):  # within the backoff: no restart storm
+        proc.prefix_hashes(tokens, 16, "sha256", "s")
+    monkeypatch.setattr(hashproc, "RESTART_BACKOFF_SECONDS", 0.0)
+    assert proc.prefix_hashes(tokens, 16, "sha256", "s") == want
+    assert proc._proc.pid != first.pid
