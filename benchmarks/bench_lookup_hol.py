@@ -28,6 +28,11 @@ Before the promotion pool, every lookup queued behind the promotion being served
 lookup p50 and p99 for each server, the promotions and L2 writes done meanwhile, the offered lookup rate, and
 the ratio delayed / baseline of p99 (target: p99 <= 1 ms with the delay).
 
+Transport floor (same run, each mode): the same client processes at the same pacing send the same request bytes
+(an encoded ``Lookup`` of a pool prompt) over loopback TCP from pyzmq DEALER sockets to a bare pyzmq ROUTER loop in Python that
+answers each with 64 bytes, no CurveZMQ, no kvtier: what a Python request/reply costs on this machine, so the
+kvtier figure can be read against it (``--no-floor`` skips it).
+
 Run: ``.venv/bin/python benchmarks/bench_lookup_hol.py`` (defaults: 8 clients, 0.1 s, 20 s per server, both modes).
 """
 
@@ -38,6 +43,7 @@ import gc
 import multiprocessing as mp
 import os
 import random
+import socket
 import sys
 import tempfile
 import time
@@ -50,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from harness.kvtier_server import KVTierServer  # noqa: E402 (after the sys.path line above)
 from harness.metrics import metric_sum  # noqa: E402
+from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.layout import KVLayout
 
@@ -132,6 +139,73 @@ def l2_loop(url: str, pool: list[list[int]], duration: float, rate: float, seed:
     out.put(done)
 
 
+def echo_server(url: str, stop) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(url)
+    while not stop.is_set():
+        if sock.poll(100):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                sock.send_multipart([frames[0], b"r" * 64])
+    sock.close(0)
+    ctx.term()
+
+
+def echo_loop(url: str, request: bytes, duration: float, rate: float, interval: float, seed: int, start, out) -> None:
+    import zmq
+
+    rng = np.random.default_rng(seed)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(url)
+    sock.send(request)
+    sock.recv()
+    start.wait()
+    end = time.monotonic() + duration
+    gc.disable()
+    lat = []
+    due = time.monotonic() + (rng.uniform(0, 1 / rate) if rate > 0 else 0)
+    time.sleep(max(0.0, due - time.monotonic()))
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        sock.send(request)
+        sock.recv()
+        lat.append(time.perf_counter() - t0)
+        due = pause(rng, rate, interval, due)
+    sock.close(0)
+    ctx.term()
+    out.put(lat)
+
+
+def floor(rate: float, args, pool) -> dict:
+    """The transport floor: p50 / p99 of bare pyzmq round trips of a lookup's request bytes (module docstring)."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as probe:  # a free loopback TCP port, as the kvtier server's
+        probe.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    stop, out, start = ctx.Event(), ctx.Queue(), ctx.Barrier(args.clients + 1)
+    request = P.encode(P.Lookup(id=1, tokens=P.pack_tokens(pool[0])))
+    server = ctx.Process(target=echo_server, args=(url, stop))
+    server.start()
+    procs = [ctx.Process(target=echo_loop, args=(url, request, args.duration, rate, args.interval_seconds, i, start, out))
+             for i in range(args.clients)]
+    procs.append(ctx.Process(target=start.wait))  # the L2 process's place in the barrier
+    for p in procs:
+        p.start()
+    lat = np.array([x for _ in range(args.clients) for x in out.get(timeout=args.duration + 300)])
+    stop.set()
+    for p in [*procs, server]:
+        p.join(60)
+    return {"lookups": len(lat), "p50_milliseconds": float(np.percentile(lat, 50) * 1e3),
+            "p99_milliseconds": float(np.percentile(lat, 99) * 1e3)}
+
+
 def measure(work: str, delay_seconds: float, rate: float, args, pool) -> dict:
     chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
     l1_bytes = max(len(pool) * args.chunks * chunk_bytes // 4, 4 * args.chunks * chunk_bytes)
@@ -194,16 +268,18 @@ def main() -> None:
     ap.add_argument("--interval-seconds", type=float, default=0.01, help="saturated: pause between a client's lookups")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=8, help="chunks of 256 tokens per prompt")
+    ap.add_argument("--no-floor", action="store_true", help="skip the transport floor (bare pyzmq round trips)")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if set(modes) - {"paced", "saturated"} or args.rate_per_client <= 0:
         ap.error("--modes takes paced and/or saturated; --rate-per-client must be positive")
     pool = prompts(args.prompts, args.chunks)
-    results = {}
+    results, floors = {}, {}
     with tempfile.TemporaryDirectory(prefix="kvtier-hol-") as work:
         for mode in modes:
             rate = args.rate_per_client if mode == "paced" else 0.0
             results[mode] = [measure(work, 0.0, rate, args, pool), measure(work, args.delay_seconds, rate, args, pool)]
+            floors[mode] = None if args.no_floor else floor(rate, args, pool)
     for mode, rows in results.items():
         offered = (f"Poisson {args.rate_per_client:g}/s per client" if mode == "paced"
                    else f"back to back, {args.interval_seconds:g} s apart")
@@ -220,6 +296,11 @@ def main() -> None:
         print(f"{mode}: ratio p99 delayed / baseline: {slow['p99_milliseconds'] / base['p99_milliseconds']:.2f}x; "
               f"p99 with a {args.delay_seconds * 1e3:g} ms adapter: {slow['p99_milliseconds']:.3f} ms (target <= 1 ms); hits alone "
               f"{slow['hit_p99_milliseconds']:.3f} vs {base['hit_p99_milliseconds']:.3f} ms (L2 {args.l2})")
+        if floors[mode]:
+            f = floors[mode]
+            print(f"{mode}: transport floor (bare pyzmq round trips of the same request bytes, same clients and pacing, "
+                  f"{f['lookups']} round trips): p50 {f['p50_milliseconds']:.3f} ms, p99 {f['p99_milliseconds']:.3f} ms; "
+                  f"kvtier p99 with the slow adapter / floor p99: {slow['p99_milliseconds'] / f['p99_milliseconds']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import os
 
 import psutil
 import torch
+import zmq
 from support.raw import Raw
 from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, metric_value
 
@@ -162,3 +163,38 @@ def test_long_prompts_are_hashed_off_the_request_thread_and_answered_right(tmp_p
         assert sorted(replies) == ids
         assert [replies[i].num_tokens for i in ids] == [0, 2 * CHUNK] * 4
         raw.close()
+
+
+def test_many_connections_of_one_principal_get_one_turn_per_round(tmp_path):
+    """libzmq reads connections in turn, so 32 connections used to buy 32 turns to an engine's one: its lookup
+    waited behind one request of each. With turns per principal it waits behind at most one of each principal."""
+    secrets = tmp_path / "secrets.yaml"
+    bad = tenant_file(tmp_path, secrets, "hostile")
+    with ServerProc(tmp_path, l1="1MB", extra=("--auth-secret-file", str(secrets))) as server:
+        hostile = [Raw(server.url, secret_file=bad) for _ in range(32)]
+        honest = Raw(server.url, secret_file=secrets)
+        poller = zmq.Poller()
+        for i, conn in enumerate(hostile):
+            poller.register(conn.sock, zmq.POLLIN)
+            for j in range(8):  # new 4,000-token prompts: each costs the request thread its hashing
+                conn.send(P.Lookup(id=0, tokens=P.pack_tokens(tokens_of(1000 + 8 * i + j, 250))))
+        poller.register(honest.sock, zmq.POLLIN)
+        answered, sent, after = 0, False, 0
+        while True:
+            ready = dict(poller.poll(30_000))
+            assert ready, f"no reply ({answered} hostile lookups answered)"
+            if honest.sock in ready:
+                assert isinstance(honest.recv(), P.LookupReply)
+                break
+            for conn in hostile:
+                if conn.sock in ready:
+                    assert isinstance(conn.recv(), P.LookupReply)
+                    answered += 1
+                    after += sent
+            if answered >= 16 and not sent:  # the server is busy with the hostile lookups: the engine asks now
+                honest.send(P.Lookup(id=0, tokens=P.pack_tokens(tokens_of(1, 2))))
+                sent = True
+        # with turns: the lookups already on their way out and one round; without: one per hostile connection
+        assert after < 20, after
+        for conn in [*hostile, honest]:
+            conn.close()

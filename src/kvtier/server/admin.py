@@ -64,14 +64,24 @@ def redact(value):
     return value
 
 
+def server_health(server) -> tuple[bool, str]:
+    """(healthy, reason): the request loop is running and answering."""
+    if server.stopping.is_set():
+        return False, "shutting down"
+    stalled = time.monotonic() - server.heartbeat
+    if stalled > max(5.0, server.config.server.lease_seconds):
+        return False, f"request loop has not run for {stalled:.1f} s"
+    return True, "ok"
+
+
 def server_status(server) -> dict:
     """Everything /status shows: version, uptime, health, config (secrets masked), L1, L2, clients."""
     server.tiers.refresh_gauges()
     l1 = server.tiers.l1
     config = server.config.model_dump(mode="json")
     config["server"].pop("admin_token", None)
-    healthy, reason = server.health()
-    snap = server.snapshot()
+    healthy, reason = server_health(server)
+    snap = _sessions_and_leases(server)
     keyring = server.keyring
     auth = {"mechanism": "CURVE" if keyring else "NULL (--no-auth)",
             "path": str(keyring.creds.path) if keyring else None,  # a key naming a secret would be masked
@@ -85,11 +95,29 @@ def server_status(server) -> dict:
                    "l2": server.tiers.l2.status(), "connected_clients": len(snap["clients"]), **snap})
 
 
+def _sessions_and_leases(server) -> dict:
+    """Sessions and leases as /status shows them (taken under the lock)."""
+    with server.lock:
+        now = time.monotonic()
+        # namespaces are digests (keys.namespace_of): they show no cache_salt
+        clients = [{"model": s.model, "namespace": s.namespace, "tenant": s.tenant, "principal": s.principal,
+                    "layout_id": s.layout_id, "pid": s.pid, "shared_memory": s.shm,
+                    "idle_seconds": round(now - s.last_seen, 3),
+                    "reserved_bytes": s.usage.reserved_bytes, "leases": s.usage.leases}
+                   for s in server.sessions.values()]
+        leases = {"store": sum(1 for x in server.leases.values() if x.kind == "store"),
+                  "retrieve": sum(1 for x in server.leases.values() if x.kind == "retrieve")}
+        return {"clients": clients, "leases": leases, "caches": len(server.caches),
+                "promotions": {"waiting": len(server.promoter.waiting), "in_flight": server.promoter.in_flight},
+                "queued_requests": len(server.turns),
+                "quarantine": {"slots": server.quarantine.num_slots, "bytes": server.tiers.l1.quarantined_bytes}}
+
+
 def build_app(server, telemetry: Telemetry) -> Starlette:
-    """The ASGI app over a ``KVTierServer`` (``health()``, ``snapshot()``, ``clear()``, ``config``)."""
+    """The ASGI app over a ``KVTierServer`` (its state for /status and /healthz, ``clear()``, ``config``)."""
 
     async def healthz(request: Request) -> Response:
-        healthy, reason = server.health()
+        healthy, reason = server_health(server)
         return PlainTextResponse("ok" if healthy else f"unhealthy: {reason}", status_code=200 if healthy else 503)
 
     async def status(request: Request) -> Response:

@@ -7,7 +7,7 @@ thread under ``server.lock``. None of them waits for L2 I/O: L2 reads go to the 
 the lock itself.
 
 Life cycle: store and retrieve hand out L1 slots; each reservation or pin is a *lease* that expires after
-``server.lease_seconds`` (``KVTierServer._expire``): an expired store is aborted (its half-written chunk never
+``server.lease_seconds`` (``DataOps._expire_leases``, from the request loop): an expired store is aborted (its half-written chunk never
 becomes visible; its slots are quarantined while the client may still write into them, ``server/limits.py``)
 and an expired retrieve is unpinned (the client's late ``RetrieveEnd`` gets ``lease_expired`` and discards what
 it copied).
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class DataOps:
     """Store / retrieve / prefetch handlers and leases of ``KVTierServer``, which sets the state they use
     (``config``, ``metrics``, ``tiers``, ``lock``, ``sessions``, ``leases``, ``_lease_deadlines``, ``_expired``, ``_next_ticket``,
-    ``limits``, ``quarantine``, ``promoter``, ``lookups``) and provides ``_err``, ``_limited`` and ``_send``."""
+    ``limits``, ``quarantine``, ``promoter``, ``lookups``, ``_expiry_log``) and provides ``_err``, ``_limited`` and ``_send``."""
 
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
         tid = self._next_ticket
@@ -42,6 +42,28 @@ class DataOps:
         heapq.heappush(self._lease_deadlines, (deadline, tid))
         session.usage.add(leases=1, reserved_bytes=nbytes)
         return tid
+
+    def _expire_leases(self, now: float) -> None:
+        """End the leases whose deadline passed: a store is aborted (its slots quarantined), a retrieve unpinned."""
+        for tid in self._due_leases(now):
+            lease = self._pop_lease(tid)
+            self._expiry_log.expired(lease.kind, tid, self.config.server.lease_seconds,
+                                     "reservation aborted" if lease.kind == "store" else "pins released")
+            self._end_lease(lease, ok=False, tid=tid)
+            self._expired.append(tid)
+            self.metrics.inc("kvtier_lease_expired_total", kind=lease.kind)
+
+    def _due_leases(self, now: float) -> list[int]:
+        """Tickets of live leases whose deadline has passed (their heap entries popped)."""
+        heap, due = self._lease_deadlines, []
+        while heap and heap[0][0] <= now:
+            tid = heapq.heappop(heap)[1]
+            if tid in self.leases:
+                due.append(tid)
+        if len(heap) > 2 * len(self.leases) + 1024:  # many ended early: keep the heap the size of the leases
+            self._lease_deadlines = [(lease.deadline, t) for t, lease in self.leases.items()]
+            heapq.heapify(self._lease_deadlines)
+        return due
 
     def _pop_lease(self, tid: int) -> Lease:
         lease = self.leases.pop(tid)

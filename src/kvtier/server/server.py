@@ -1,7 +1,8 @@
 """The kvtier server: one L1 (in shared memory) and one L2 cascade serving every engine on the host.
 
 Threading model: one request thread runs ``serve_forever``: a ZMQ ROUTER answers the requests of
-``kvtier.protocol`` under ``self.lock`` (shared with the admin HTTP thread), and never waits for L2 I/O.
+``kvtier.protocol`` under ``self.lock`` (shared with the admin HTTP thread), one per principal in turn
+(``server/turns.py``), and never waits for L2 I/O.
 Lookups read L1 and the L2 adapters' in-memory indexes (``L2Tier.lookup``; one they answer short over an L2
 that other servers write to waits for a probe on the pool, ``server/lookup.py``); a retrieve whose prompt
 continues into L2-only chunks, and every ``Prefetch``, is handed to the promotion pool
@@ -17,7 +18,6 @@ principal and in all: ``server/limits.py``; a long prompt is hashed on a worker 
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import sys
@@ -52,12 +52,12 @@ from kvtier.server.session import (
     scoped_namespace,
 )
 from kvtier.server.shm import hold_lock, reap_stale_shm
+from kvtier.server.turns import NEW_CONNECTIONS, Turns
 from kvtier.tiers import Tiers
 from kvtier.zap import guarded_router
 
 log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
-MAX_BATCH = 256  # messages handled per poll wake-up before leases are checked
 SWITCH_INTERVAL_SECONDS = 0.0005
 IDLE_SCAN_SECONDS = 1.0  # idle sessions are looked for this often (each scan visits every session)
 
@@ -101,11 +101,7 @@ class KVTierServer(DataOps):
         try:
             self.sock.bind(f"tcp://{srv.host}:{self.port}")
         except zmq.ZMQError as exc:
-            self.sock.close()
-            self._zap.close()
-            self._ctx.term()
-            if created:  # made for a port this server did not get
-                self.keyring.creds.path.unlink(missing_ok=True)
+            self._undo_sockets(created)
             raise ConfigError(f"cannot listen on {srv.host}:{srv.port} (--host/--port): {exc.strerror}; "
                               "is another server running? pick another --port") from None
         self.endpoint = f"tcp://{srv.host}:{self.port}"
@@ -117,11 +113,7 @@ class KVTierServer(DataOps):
         try:
             self.tiers = Tiers(config, metrics=self.metrics, shm_name=shm_name, auth=self.keyring, index_lookups=True)
         except BaseException:
-            self.sock.close()
-            self._zap.close()
-            self._ctx.term()
-            if created:
-                self.keyring.creds.path.unlink(missing_ok=True)
+            self._undo_sockets(created)
             raise
         self.shm_name = shm_name
         self._shm_lock = hold_lock(shm_name) if shm_name else None
@@ -135,6 +127,7 @@ class KVTierServer(DataOps):
         self._next_ticket = 1
         self._flushes: list[tuple] = []  # deferred Flush replies: (identity, id, deadline, usage)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
+        self.turns = Turns()
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
         self.prehash = Prehasher(srv.hash_offload_min_tokens, srv.max_hash_jobs, srv.promote_timeout_seconds,
                                   self.metrics)
@@ -144,6 +137,14 @@ class KVTierServer(DataOps):
         self.quarantine = Quarantine(self.tiers.l1, self.metrics)
         self._expiry_log = ExpiryLog()
         self.metrics.set("kvtier_connected_clients", 0)
+
+    def _undo_sockets(self, keyring_created: bool) -> None:
+        """A failed start: close what __init__ opened; a secret file made for a port this server did not get goes."""
+        self.sock.close()
+        self._zap.close()
+        self._ctx.term()
+        if keyring_created:
+            self.keyring.creds.path.unlink(missing_ok=True)
 
     # ---- loop ----------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -159,15 +160,13 @@ class KVTierServer(DataOps):
         tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
         while not self.stopping.is_set():
             self.heartbeat = time.monotonic()
-            if poller.poll(self.promoter.poll_milliseconds(tick_milliseconds)):  # woken at a deferred request's deadline
-                for _ in range(MAX_BATCH):
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._dispatch(frames)
+            # woken at a deferred request's deadline; not waiting at all while requests wait for their turn
+            if poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)):
+                self._receive()
                 self._answer_promotions(self.promoter.take_ready())
                 self._answer_hashed(self.prehash.take_ready())
+            for frames in self.turns.next_round():  # then the socket is read again: a new request waits one round
+                self._dispatch(frames)
             self._answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
             self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
             self._expire()
@@ -179,9 +178,21 @@ class KVTierServer(DataOps):
         """Ask the loop to stop (safe from a signal handler or another thread)."""
         self.stopping.set()
 
+    def _receive(self) -> None:
+        """Move requests from the socket into their principal's turn (``server/turns.py``) until none is left or
+        the turns are full."""
+        while not self.turns.full:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:  # a ROUTER always prepends the identity; nothing to answer
+                continue
+            identity = frames[0].bytes
+            session = self.sessions.get(identity)
+            self.turns.add(identity, session.principal if session is not None else NEW_CONNECTIONS, frames)
+
     def _dispatch(self, frames: list) -> None:
-        if len(frames) < 2:  # a ROUTER always prepends the identity; nothing to answer
-            return
         identity, header, payload = frames[0].bytes, frames[1], frames[2:]
         with self.lock:
             reply, out = self._handle(identity, header, payload)
@@ -332,13 +343,7 @@ class KVTierServer(DataOps):
     def _expire(self) -> None:
         now = time.monotonic()
         with self.lock:
-            for tid in self._due_leases(now):
-                lease = self._pop_lease(tid)
-                self._expiry_log.expired(lease.kind, tid, self.config.server.lease_seconds,
-                                         "reservation aborted" if lease.kind == "store" else "pins released")
-                self._end_lease(lease, ok=False, tid=tid)
-                self._expired.append(tid)
-                self.metrics.inc("kvtier_lease_expired_total", kind=lease.kind)
+            self._expire_leases(now)
             self.quarantine.sweep(now)
             if self._flushes:
                 done = self.tiers.l2.flush(0)
@@ -356,18 +361,6 @@ class KVTierServer(DataOps):
             if idle:
                 self._drop_idle_caches()
                 self.metrics.set("kvtier_connected_clients", len(self.sessions))
-
-    def _due_leases(self, now: float) -> list[int]:
-        """Tickets of live leases whose deadline has passed (their heap entries popped)."""
-        heap, due = self._lease_deadlines, []
-        while heap and heap[0][0] <= now:
-            tid = heapq.heappop(heap)[1]
-            if tid in self.leases:
-                due.append(tid)
-        if len(heap) > 2 * len(self.leases) + 1024:  # many ended early: keep the heap the size of the leases
-            self._lease_deadlines = [(lease.deadline, t) for t, lease in self.leases.items()]
-            heapq.heapify(self._lease_deadlines)
-        return due
 
     def _drop_idle_caches(self) -> None:
         """Forget caches no session or lease uses (their chunks stay in L1 and L2 under their keys)."""
@@ -388,31 +381,6 @@ class KVTierServer(DataOps):
         if wait:
             self.tiers.l2.flush()
         return dropped
-
-    def health(self) -> tuple[bool, str]:
-        """(healthy, reason): the request loop is running and answering."""
-        if self.stopping.is_set():
-            return False, "shutting down"
-        stalled = time.monotonic() - self.heartbeat
-        if stalled > max(5.0, self.config.server.lease_seconds):
-            return False, f"request loop has not run for {stalled:.1f} s"
-        return True, "ok"
-
-    def snapshot(self) -> dict:
-        """Sessions and leases as /status shows them (taken under the lock)."""
-        with self.lock:
-            now = time.monotonic()
-            # namespaces are digests (keys.namespace_of): they show no cache_salt
-            clients = [{"model": s.model, "namespace": s.namespace, "tenant": s.tenant, "principal": s.principal,
-                        "layout_id": s.layout_id, "pid": s.pid, "shared_memory": s.shm,
-                        "idle_seconds": round(now - s.last_seen, 3),
-                        "reserved_bytes": s.usage.reserved_bytes, "leases": s.usage.leases}
-                       for s in self.sessions.values()]
-            leases = {"store": sum(1 for x in self.leases.values() if x.kind == "store"),
-                      "retrieve": sum(1 for x in self.leases.values() if x.kind == "retrieve")}
-            return {"clients": clients, "leases": leases, "caches": len(self.caches),
-                    "promotions": {"waiting": len(self.promoter.waiting), "in_flight": self.promoter.in_flight},
-                    "quarantine": {"slots": self.quarantine.num_slots, "bytes": self.tiers.l1.quarantined_bytes}}
 
     def close(self) -> bool:
         """Finish queued L2 writes (bounded by ``server.shutdown_timeout_seconds``), close the socket,
