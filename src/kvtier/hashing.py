@@ -168,37 +168,23 @@ def _cbor_head(major: int, n: int) -> bytes:
 # Pickle protocol 5 (what vLLM's "sha256"/"xxhash" hash) of ``(parent: bytes, tuple(block tokens), None)``:
 #   PROTO 5 | FRAME <u64 LE length of the rest> | SHORT_BINBYTES <len> parent | MEMOIZE
 #   | MARK <each token> TUPLE MEMOIZE | NONE TUPLE3 MEMOIZE | STOP
-# A token is BININT1 (< 256), BININT2 (< 65536), BININT (< 2**31, 4 bytes LE) or LONG1 (its length, then the
-# shortest little-endian two's complement: 5 to 8 bytes below 2**63). Blocks of 1-3 tokens (TUPLE1-3), blocks
-# with extra keys and blocks whose pickle would span two frames (>= 64 KiB) go through pickle.dumps itself (a
-# prompt of huge token ids must not be the slow path: the server hashes what any client sends).
-# tests/unit/test_hashing.py proves the bytes equal pickle.dumps(..., protocol=5).
-_PICKLE_MAX_BLOCK = 6_000  # tokens: 10 bytes each at most, so the block stays inside one 64 KiB frame
-_PICKLE_OPCODE = np.array([0, 0, 0x4B, 0x4D, 0, 0x4A], np.uint8)  # by encoded length: BININT1, BININT2, BININT
+# A token is BININT1 (< 256), BININT2 (< 65536) or BININT (< 2**31, 4 bytes LE). Token ids >= 2**31 (LONG1),
+# blocks of 1-3 tokens (TUPLE1-3), blocks with extra keys and blocks whose pickle would span two frames (>= 64 KiB)
+# go through pickle.dumps itself. tests/unit/test_hashing.py proves the bytes equal pickle.dumps(..., protocol=5).
+_PICKLE_MAX_BLOCK = 12_000  # tokens: 5 bytes each at most, so the block stays inside one 64 KiB frame
+_PICKLE_KEEP = np.arange(5) < np.arange(6)[:, None]  # row ``len``: which of a token's 5 bytes its encoding uses
 
 
 def _pickle_uints(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pickle opcodes of every token (all < 2**63), concatenated, and each token's encoded length (2 to 10)."""
+    """Pickle opcodes of every token (all < 2**31), concatenated, and each token's encoded length (2, 3 or 5)."""
     if tokens.size and int(tokens.max()) < 65536:
         return _gather(tokens, _pickle_table)
-    if int(tokens.max()) < 2**31:
-        t = tokens.astype("<u4")
-        lens = 2 + (t >= 256).astype(np.int64) + 2 * (t >= 65536)
-        rows = np.empty((len(t), 5), np.uint8)
-        rows[:, 0] = _PICKLE_OPCODE[lens]
-        rows[:, 1:] = t.view(np.uint8).reshape(-1, 4)
-        return rows[np.arange(5) < lens[:, None]], lens
-    t = tokens.astype("<u8")
-    long_bytes = np.where(t < 2**31, 0, 5 + (t >= 2**39) + (t >= 2**47) + (t >= 2**55))  # LONG1's sign bit stays 0
-    big = long_bytes > 0
-    lens = np.where(big, 2 + long_bytes, 2 + (t >= 256) + 2 * (t >= 65536)).astype(np.int64)
-    rows = np.zeros((len(t), 10), np.uint8)
-    rows[:, 0] = np.where(big, 0x8A, _PICKLE_OPCODE[np.minimum(lens, 5)])
-    rows[:, 1] = long_bytes
-    rows[:, 2:] = t.view(np.uint8).reshape(-1, 8)
-    # BININT*: the value right after the opcode (drop LONG1's length byte); masks, not fancy row indexing: faster
-    rows[:, 1:9] = np.where(big[:, None], rows[:, 1:9], rows[:, 2:])
-    return rows[np.arange(10) < lens[:, None]], lens
+    t = tokens.astype("<u4")
+    lens = 2 + (t >= 256).astype(np.int64) + 2 * (t >= 65536)
+    rows = np.empty((len(t), 5), np.uint8)
+    rows[:, 0] = np.array([0, 0, 0x4B, 0x4D, 0, 0x4A], np.uint8)[lens]  # BININT1, BININT2, BININT
+    rows[:, 1:] = t.view(np.uint8).reshape(-1, 4)
+    return rows[_PICKLE_KEEP[lens]], lens
 
 
 def _boundaries(lens: np.ndarray, block_size: int) -> list[int]:
@@ -254,7 +240,7 @@ def prefix_hashes(
     arr = arr[: n * block_size] if n == n_full else arr
     if algorithm in ("sha256_cbor", "xxhash_cbor"):
         return _cbor_chain(arr, block_size, n, algorithm, prev, extra_keys)
-    if algorithm in ("sha256", "xxhash") and 3 < block_size <= _PICKLE_MAX_BLOCK:
+    if algorithm in ("sha256", "xxhash") and 3 < block_size <= _PICKLE_MAX_BLOCK and int(arr.max()) < 2**31:
         return _pickle_chain(arr, block_size, n, algorithm, prev, extra_keys)
     out: list[bytes] = []
     as_list = arr.tolist()

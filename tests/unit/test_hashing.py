@@ -114,7 +114,7 @@ def test_token_ids_beyond_int32_hash_as_pickle_long1():
     parent = root_hash("sha256", "s")
     want = hashlib.sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5)).digest()
     assert prefix_hashes(tokens, len(tokens), "sha256", "s") == [want]
-    big = np.arange(6000, dtype=np.int64) + 2**62  # the largest block the vectorised path takes, 10 bytes a token
+    big = np.arange(6000, dtype=np.int64) + 2**62  # a long block of 10-byte LONG1 tokens
     want = hashlib.sha256(pickle.dumps((parent, tuple(big.tolist()), None), protocol=5)).digest()
     assert prefix_hashes(big, 6000, "sha256", "s") == [want]
 
