@@ -6,8 +6,9 @@ just long) prompt would hold every other client for that long. A request whose p
 computes its chunk refs (which puts them in the memo) and the request loop then handles the request as usual,
 now without hashing. The block hashing itself runs in a child process at a lower CPU priority
 (``server/hashproc.py``): the worker thread waits on its pipe without the GIL, so a stream of long prompts does
-not hold the request thread (hashed on the thread, it did: honest lookups' p99 rose 3x under such a flood). When
-the child is not available the worker hashes in process.
+not hold the request thread (hashed on the thread, it did: with 4 processes flooding new 8,192-token prompts,
+honest lookups' p99 was 38 ms, 2.9 ms with the child; benchmarks/RESULTS.md). When the child is not available
+the worker hashes in process.
 
 Fairness: parked requests are queued per principal and the worker takes them round-robin, so a principal
 flooding long prompts delays its own, not another's. Bounds: each parked request counts as in flight for its
@@ -117,12 +118,16 @@ class Prehasher:
             self._wakeup.notify()
 
     def _hash(self, msg, session) -> None:
-        """Put ``msg``'s chunk refs in its cache's memo, hashed by the child process, or here if it is not available."""
-        tokens, namespace = P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace)
+        """Put ``msg``'s chunk refs in its cache's memo."""
+        session.cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
+                                 extra_keys=msg.extra_keys, hasher=self._prefix_hashes)
+
+    def _prefix_hashes(self, *args, **kwargs) -> list[bytes]:
+        """``hashing.prefix_hashes`` by the child process, or here while it is not available."""
         try:
-            session.cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys, hasher=self._hashproc.prefix_hashes)
+            return self._hashproc.prefix_hashes(*args, **kwargs)
         except HashProcessError:
-            session.cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys, hasher=prefix_hashes)
+            return prefix_hashes(*args, **kwargs)
 
     def take_ready(self) -> list[Job]:
         """Hashed requests to handle now (their in-flight count released)."""
