@@ -97,6 +97,18 @@ def pause(rng, rate: float, interval_seconds: float, due: float) -> float:
     return due
 
 
+def paced(rng, duration: float, rate: float, interval: float):
+    """Yield once per call for ``duration`` seconds, at ``pause``'s arrivals, after a random phase (engines are not
+    in phase). Turns this process's garbage collector off: a collection here is not the server's latency."""
+    end = time.monotonic() + duration
+    gc.disable()
+    due = time.monotonic() + (rng.uniform(0, 1 / rate) if rate > 0 else 0)
+    time.sleep(max(0.0, due - time.monotonic()))
+    while time.monotonic() < end:
+        yield
+        due = pause(rng, rate, interval, due)
+
+
 def lookup_loop(url: str, pool: list[list[int]], duration: float, rate: float, interval: float, seed: int,
                 start, out) -> None:
     rng = np.random.default_rng(seed)
@@ -104,18 +116,13 @@ def lookup_loop(url: str, pool: list[list[int]], duration: float, rate: float, i
     with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=30) as client:
         client.ping()
         start.wait()  # every process imported and connected: start-up is not part of the load
-        end = time.monotonic() + duration
-        gc.disable()  # a collection in this process is not the server's latency
-        due = time.monotonic() + (rng.uniform(0, 1 / rate) if rate > 0 else 0)  # engines are not in phase
-        time.sleep(max(0.0, due - time.monotonic()))
-        while time.monotonic() < end:
+        for _ in paced(rng, duration, rate, interval):
             fresh = rng.random() < 1 / 8  # never stored: a miss past every index, probed in the background
             tokens = rng.integers(0, 50_000, len(pool[0])).tolist() if fresh else pool[rng.integers(len(pool))]
             t0 = time.perf_counter()
             n = client.lookup(tokens)
             lat["hit" if n else "miss"].append(time.perf_counter() - t0)
             kinds["hit" if n else "miss"] += 1
-            due = pause(rng, rate, interval, due)
     out.put((lat, kinds))
 
 
@@ -167,17 +174,12 @@ def echo_loop(url: str, request: bytes, duration: float, rate: float, interval: 
     sock.send(request)
     sock.recv()
     start.wait()
-    end = time.monotonic() + duration
-    gc.disable()
     lat = []
-    due = time.monotonic() + (rng.uniform(0, 1 / rate) if rate > 0 else 0)
-    time.sleep(max(0.0, due - time.monotonic()))
-    while time.monotonic() < end:
+    for _ in paced(rng, duration, rate, interval):
         t0 = time.perf_counter()
         sock.send(request)
         sock.recv()
         lat.append(time.perf_counter() - t0)
-        due = pause(rng, rate, interval, due)
     sock.close(0)
     ctx.term()
     out.put(lat)
