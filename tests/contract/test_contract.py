@@ -127,20 +127,31 @@ def test_two_writers_and_a_reader_never_see_a_torn_record(adapter_factory):
     done = threading.Event()
     errors: list[BaseException] = []
     reads = {"none": 0, "one": 0, "other": 0}
+    # the contract lets any call raise StorageError (the tier makes it a miss): a service may refuse a request
+    # under this race (moto answers some concurrent PutObject calls with 500); a torn record is never allowed
+    refused = {"puts": 0, "other": 0}
+    stored = [0]
 
     def writer(rec: Rec) -> None:
         try:
             for i in range(30):
-                adapter.put([(rec.name, rec.parts)])
-                if i % 2:  # deleting makes the next put write again instead of finding it stored
-                    adapter.delete([rec.name])
+                try:
+                    stored[0] += sum(adapter.put([(rec.name, rec.parts)]))
+                    if i % 2:  # deleting makes the next put write again instead of finding it stored
+                        adapter.delete([rec.name])
+                except StorageError:
+                    refused["puts"] += 1
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
     def reader() -> None:
         try:
             while not done.is_set():
-                buf = adapter.get([one.name])[0]
+                try:
+                    buf = adapter.get([one.name])[0]
+                except StorageError:
+                    refused["other"] += 1
+                    continue
                 if buf is None:
                     reads["none"] += 1
                     continue
@@ -162,6 +173,7 @@ def test_two_writers_and_a_reader_never_see_a_torn_record(adapter_factory):
     read_thread.join()
     assert not errors, errors
     assert sum(reads.values()) > 0
+    assert refused["puts"] < 15 and stored[0] > 0, (refused, stored)  # refusals are rare, not the rule
     adapter.delete([one.name])
     adapter.put([(other.name, other.parts)])
     assert_record(adapter.get([other.name])[0], other)

@@ -318,3 +318,21 @@ def test_full_disk_drops_writes_and_keeps_reads(tmp_path):
             assert n == len(first) and torch.equal(out, first_kv)
             out, n = retrieve_cold(cache, second)
             assert 0 < n < len(second) and torch.equal(out, second_kv[:, :, :n])
+
+
+def test_a_put_on_a_full_disk_keeps_the_head_of_its_records(tmp_path):
+    """Parallel writes may let a late record take the space an early one needed: the adapter gives it back to the
+    head, so what a put stored is a prefix (a lookup stops at the first missing chunk)."""
+    with small_tmpfs(tmp_path / "l2", "64k") as mount:
+        adapter = create_adapter({"type": "local_disk", "path": str(mount / "kv"), "num_threads": 8})
+        try:
+            items = [(f"{i:016x}-{i:064x}", [bytes([i]) * 6000]) for i in range(24)]  # 2 pages each: 48 > 16
+            for _ in range(3):
+                flags = adapter.put(items)
+                stored = flags.count(True)
+                assert 0 < stored < len(items) and flags == [True] * stored + [False] * (len(items) - stored)
+                assert sorted(adapter.list_names()) == [name for name, _ in items[:stored]]
+                assert adapter.get([items[0][0]])[0] == items[0][1][0]
+                adapter.delete([name for name, _ in items])
+        finally:
+            adapter.close()

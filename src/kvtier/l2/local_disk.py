@@ -15,6 +15,10 @@ levels (0: every file directly under ``path``). Several processes may share one 
 missing from this process's index is looked up on disk before it is called a miss. Files are created
 0600 and folders 0700 (records hold token ids and KV); files and folders of earlier versions that other
 users could read are tightened at startup, or a warning names them when that is not possible.
+
+A full disk (ENOSPC, EDQUOT) keeps the head of a ``put``: its records are chunks of one prompt in prefix order and a
+lookup stops at the first missing one, so when parallel writes let a later record take the space an earlier one
+needed, the later ones this put stored are deleted and the rest written again in order until one does not fit.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _STALE_TEMP_SECONDS = 3600.0  # a temp file this old is a crashed write even if its pid looks alive
 _MAX_CACHED_BUFFER_BYTES = 64 << 20  # per-thread O_DIRECT write buffer kept for reuse up to this size
 _ADAPTER_WIDE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
 class LocalDiskConfig(AdapterConfig):
@@ -121,7 +126,18 @@ class LocalDiskAdapter(L2Adapter):
 
     # ---- contract -------------------------------------------------------------------------------
     def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        return self._map(self._put_one, [(self._path(name), name, parts) for name, parts in items])
+        args = [(self._path(name), name, parts) for name, parts in items]
+        flags = self._map(self._put_one, args)  # None: the disk was full
+        if None in flags:  # keep the head (module docstring)
+            first = flags.index(None)
+            self.delete([args[i][1] for i in range(first + 1, len(args)) if flags[i]])
+            del flags[first:]
+            for a in args[first:]:
+                flags.append(self._put_one(*a) is True)
+                if not flags[-1]:
+                    break
+            flags += [False] * (len(args) - len(flags))
+        return flags
 
     def get(self, names: Sequence[str]) -> list[Buffer | None]:
         return self._map(self._get_one, [(self._path(name), name) for name in names])
@@ -203,7 +219,7 @@ class LocalDiskAdapter(L2Adapter):
         except OSError as exc:
             with self._lock:
                 self._reserved_bytes -= size
-            return self._item_error("write", path, exc, False)
+            return self._item_error("write", path, exc, None if exc.errno in _FULL_ERRNOS else False)
         with self._lock:
             self._reserved_bytes -= size
             self._forget(name)  # a concurrent writer of the same name may have landed first
