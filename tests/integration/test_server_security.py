@@ -190,6 +190,21 @@ def test_the_secret_file_is_private_and_an_unsafe_one_stops_the_server(tmp_path)
         ServerProc(tmp_path, extra=("--auth-secret-file", str(unsafe)))
 
 
+def test_a_secret_made_for_an_os_picked_port_is_deleted_at_shutdown(tmp_path, monkeypatch):
+    from kvtier.config import KVTierConfig
+    from kvtier.server.server import KVTierServer
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    fixed = free_port()
+    for port in (0, fixed):
+        server = KVTierServer(KVTierConfig.model_validate(
+            {"l1_size_gb": 0.001, "eviction_policy": "LRU", "server": {"port": port, "shared_memory": False}}))
+        path = default_secret_file(server.port)
+        assert path.parent == tmp_path / "kvtier" and path.exists()
+        server.close()
+        assert path.exists() == (port == fixed)  # a fixed port's secret stays: a restart keeps its clients' keys
+
+
 def test_tenants_reach_only_their_own_chunks(tmp_path):
     secrets = tmp_path / "secrets.yaml"
 

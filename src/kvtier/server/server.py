@@ -91,6 +91,8 @@ class KVTierServer(DataOps):
         except (OSError, KVTierError) as exc:
             self._ctx.term()
             raise ConfigError(f"cannot start on {srv.host}:{srv.port}: {exc}") from None
+        # a secret made for a port the OS picked (--port 0) names a port no later server will have: removed at close
+        self._secret_made_for_port_0 = created and srv.port == 0 and not srv.auth_secret_file
         self.sock, self._zap = guarded_router(self._ctx, self.keyring, self._refused)
         self.sock.setsockopt(zmq.LINGER, 0)
         # a frame larger than this drops the sender's connection before it is buffered
@@ -384,7 +386,8 @@ class KVTierServer(DataOps):
 
     def close(self) -> bool:
         """Finish queued L2 writes (bounded by ``server.shutdown_timeout_seconds``), close the socket,
-        unmap and unlink the shared L1. Returns False if L2 writes were still pending at the deadline."""
+        unmap and unlink the shared L1, and delete the secret file it created at the default path for a port the OS
+        picked (``--port 0``). Returns False if L2 writes were still pending at the deadline."""
         self.stopping.set()
         self.promoter.close()
         self.prehash.close()
@@ -394,6 +397,8 @@ class KVTierServer(DataOps):
         self.sock.close(linger=0)
         self._zap.close()
         self._ctx.term()
+        if self._secret_made_for_port_0:
+            self.keyring.creds.path.unlink(missing_ok=True)
         return done
 
     def _refused(self, mechanism: str, address: str) -> None:
