@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 
+from kvtier.config import parse_size
 from kvtier.errors import InputError, KVTierError
 
 DEFAULT_DOCUMENTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GPL")
@@ -364,6 +365,8 @@ def demo(document, rounds, chunk_size, l1_size_gb, disk_path, server, as_json, m
     if events and server != "off":
         raise InputError("--events shows the in-process cache's events: add --server off "
                          "(with a server, watch them with `kvtier events`)")
+    if parse_size(l1_size_gb) <= 0:  # here, not after the model has loaded
+        raise InputError(f"--l1-size-gb must be positive, got {l1_size_gb!r}; e.g. 1 or 512MiB")
     started = time.perf_counter()
     log = (lambda msg: None) if as_json else (lambda msg: click.echo(msg, err=True))
     result = run_demo(opts, log=log)

@@ -53,3 +53,11 @@ def test_events_need_the_in_process_cache():
                           check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--server off" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("size, said", [("0", "must be positive"), ("abc", "cannot parse size")])
+def test_a_bad_l1_size_stops_the_demo_before_the_model_loads(size, said):
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--server", "off", f"--l1-size-gb={size}"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr
+    assert "SmolLM2" not in proc.stderr and "round 1" not in proc.stderr  # nothing was loaded or run
