@@ -75,9 +75,9 @@ def bandwidth(args: argparse.Namespace) -> dict:
 
     def l1_retrieve(key) -> float:
         t0 = time.perf_counter()
-        view, _ = store.acquire(key)
+        view, _, at = store.acquire(key)
         out.copy_(_slot_tensor(view))
-        store.release(key)
+        store.release(key, at)
         return time.perf_counter() - t0
 
     def torch_copy(dst, src) -> float:
@@ -120,9 +120,9 @@ def bandwidth(args: argparse.Namespace) -> dict:
         one_round(record=False)
     for _ in range(args.rounds):
         one_round(record=True)
-    view, _ = store.acquire((round_no, args.chunks_per_round - 1))
+    view, _, at = store.acquire((round_no, args.chunks_per_round - 1))
     assert torch.equal(_slot_tensor(view), sources[(args.chunks_per_round - 1) % len(sources)]), "wrong bytes"
-    store.release((round_no, args.chunks_per_round - 1))
+    store.release((round_no, args.chunks_per_round - 1), at)
 
     def gbps(side: int, *kinds: str) -> float:
         times = [p[side] for kind in kinds for p in pairs[kind]]

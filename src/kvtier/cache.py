@@ -176,7 +176,7 @@ class KVCache:
         for run in _runs(ticket.slots):
             if self.tiers.events is not None:
                 self.tiers.events.stored(ticket.tokens, [slot.ref for slot in run], "CPU")
-            items, refs = [], []
+            items, refs, offsets = [], [], {}
             for slot in run:
                 pinned = self.l1.acquire(slot.ref.key, count_access=False)  # keep the bytes until written
                 if pinned is None:
@@ -185,7 +185,8 @@ class KVCache:
                                        ticket.tokens[slot.ref.start:slot.ref.end].tolist(), pinned[0],
                                        checksums.get(slot.ref.index)))
                 refs.append(slot.ref)
-            self.l2.write_async(ticket.tokens, items, self.l1.release, refs)
+                offsets[slot.ref.key] = pinned[2]
+            self.l2.write_async(ticket.tokens, items, lambda key, at=offsets: self.l1.release(key, at[key]), refs)
         self.tiers.refresh_gauges()
         return len(ticket.slots)
 
@@ -276,10 +277,11 @@ class KVCache:
             got = self.l1.acquire(ref.key)
             if got is None:  # evicted meanwhile: keep only what precedes it
                 for slot in ticket.slots:
-                    self.l1.release(slot.ref.key)
+                    self.l1.release(slot.ref.key, slot.offset)
                 ticket.slots.clear()
                 continue
-            ticket.slots.append(Slot(ref, self.l1.offset(ref.key), got[0].nbytes, got[0]))
+            view, _, offset = got
+            ticket.slots.append(Slot(ref, offset, view.nbytes, view))
         ticket.slots.reverse()
         self.metrics.inc("kvtier_retrieve_chunks_total", len(ticket.slots))
         return ticket
@@ -311,7 +313,7 @@ class KVCache:
     def end_retrieve(self, ticket: RetrieveTicket) -> None:
         """Unpin the ticket's slots."""
         for slot in ticket.slots:
-            self.l1.release(slot.ref.key)
+            self.l1.release(slot.ref.key, slot.offset)
         ticket.slots.clear()
 
     @contextlib.contextmanager

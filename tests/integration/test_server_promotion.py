@@ -212,3 +212,24 @@ def test_a_retrieve_during_its_prefetch_waits_for_that_read(tmp_path):
             # each record read once: without the join the retrieve would have read all 5 beside the prefetch's 3
             assert counter(srv, "kvtier_l2_read_chunks_total", adapter="faulty") == 5
             assert srv.status()["promotions"] == {"waiting": 0, "in_flight": 0}
+
+
+def test_chunks_cleared_while_an_engine_copies_them_can_be_promoted_and_stored_again(tmp_path):
+    """Clearing L1 while a retrieve pins its chunks hides them at once, but their slots stay until the pins end:
+    meanwhile another engine gets the same chunks from L2 (promoted into other slots) and can store them again."""
+    tokens, kv = prompt(31, 4)
+    with server(tmp_path, faulty(tmp_path, 0.0, [])) as srv, \
+            Client(srv.url, model="m", layout=LAYOUT) as a, Client(srv.url, model="m", layout=LAYOUT) as b:
+        assert a.store(tokens, kv) == 4 and a.flush(30)
+        with a.retrieve_chunks(tokens) as held:  # engine A is copying out of these slots
+            assert held.num_tokens == len(tokens)
+            assert b.clear("CPU", admin_token=TOKEN) == 4
+            assert b.lookup(tokens) == len(tokens)  # L2 holds them
+            out, n = b.retrieve(tokens)
+            assert n == len(tokens) and torch.equal(out, kv)  # promoted into new slots, A's still pinned
+            assert b.clear(admin_token=TOKEN) >= 4
+            assert b.store(tokens, kv) == 4
+            out, n = b.retrieve(tokens)
+            assert n == len(tokens) and torch.equal(out, kv)
+        out, n = a.retrieve(tokens)
+        assert n == len(tokens) and torch.equal(out, kv)

@@ -35,11 +35,11 @@ def test_store_and_read_back_bytes_and_meta():
     store = L1Store(64 * KB)
     assert put(store, key(1), b"x" * 1000, meta={"tokens": 256})
     assert store.contains(key(1)) and store.num_chunks == 1
-    view, meta = store.acquire(key(1))
+    view, meta, at = store.acquire(key(1))
     assert bytes(view) == b"x" * 1000 and meta == {"tokens": 256}
     assert store.meta(key(1)) == {"tokens": 256}
-    assert store.offset(key(1)) is not None
-    store.release(key(1))
+    assert store.offset(key(1)) == at
+    store.release(key(1), at)
     assert store.used_bytes == align_up(1000)
     assert store.keys() == [key(1)]
     store.close()
@@ -60,7 +60,7 @@ def test_reserved_entry_is_invisible_until_commit_and_abort_frees_it():
     with pytest.raises(InputError):
         store.commit(key(1))  # already committed
     with pytest.raises(InputError):
-        store.release(key(1))  # no acquire
+        store.release(key(1), store.offset(key(1)))  # no acquire
     with pytest.raises(InputError):
         store.reserve(key(2), 0)
     with pytest.raises(InputError):
@@ -89,14 +89,14 @@ def test_budget_never_exceeded_and_bytes_survive_eviction(policy):
             got = store.acquire(k)
             if got is not None:
                 assert bytes(got[0]) == expected[k] and got[1] == len(expected[k])
-                store.release(k)
+                store.release(k, got[2])
     present = set(store.keys())
     assert present | set(evicted) == set(expected) and not present & set(evicted)
     assert store.num_chunks == len(present)
     for k in present:
-        view, _ = store.acquire(k)
+        view, _, at = store.acquire(k)
         assert bytes(view) == expected[k]
-        store.release(k)
+        store.release(k, at)
     store.close()
 
 
@@ -120,13 +120,13 @@ def test_pinned_entries_are_never_evicted():
     for i in range(4):
         assert put(store, key(i), bytes([i]) * KB)
     pinned = store.acquire(key(0))  # oldest, first in line for eviction
-    store.acquire(key(1))
+    other = store.acquire(key(1))
     for i in range(4, 40):
         assert put(store, key(i), bytes([i]) * KB)
         assert store.contains(key(0)) and store.contains(key(1))
     assert bytes(pinned[0]) == bytes([0]) * KB
-    store.release(key(0))
-    store.release(key(1))
+    store.release(key(0), pinned[2])
+    store.release(key(1), other[2])
     assert put(store, key(99), b"z" * KB) and not store.contains(key(0))  # unpinned: evictable again
     store.close()
 
@@ -151,7 +151,7 @@ def test_full_with_everything_pinned_returns_none_without_evicting():
     worker.join(timeout=30)
     assert done.is_set(), "reserve waited instead of returning None"
     assert evicted == [] and store.num_chunks == 64
-    store.release(key(7))
+    store.release(key(7), store.offset(key(7)))
     assert put(store, key(1002), b"q" * KB)
     assert not store.contains(key(7))
     store.close()
@@ -166,8 +166,8 @@ def test_fragmentation_keeps_evicting_until_a_contiguous_slot_fits():
         store.acquire(key(i))
     assert store.reserve(key(100), 2 * KB) is None  # cannot fit anywhere: gave up, did not wait
     assert store.num_chunks == 4  # it evicted every unpinned entry trying
-    store.release(key(1))
-    store.release(key(3))
+    store.release(key(1), store.offset(key(1)))
+    store.release(key(3), store.offset(key(3)))
     evicted = []
     store.on_evict = lambda items: evicted.extend(k for k, _ in items)
     assert store.reserve(key(101), 3 * KB) is not None  # evicting 1 (LRU) joins [0, 3 KiB)
@@ -179,19 +179,23 @@ def test_fragmentation_keeps_evicting_until_a_contiguous_slot_fits():
 def test_remove_of_pinned_entry_defers_the_free_to_the_last_release():
     store = L1Store(4 * KB)
     assert put(store, key(1), b"r" * KB)
-    view, _ = store.acquire(key(1))
+    view, _, old = store.acquire(key(1))
     store.acquire(key(1))
     assert store.remove(key(1))
     assert not store.contains(key(1)) and store.acquire(key(1)) is None and store.num_chunks == 0
     assert store.used_bytes == KB  # still held: a reader is copying out of it
-    assert store.reserve(key(1), KB) is None  # the key is blocked until the free
-    assert bytes(view) == b"r" * KB
-    store.release(key(1))
-    assert store.used_bytes == KB
-    store.release(key(1))
-    assert store.used_bytes == 0
     assert not store.remove(key(1))
-    assert put(store, key(1), b"s" * KB)
+    # the key is free at once (e.g. stored again after a clear while an L2 write still reads the old slot)
+    assert put(store, key(1), b"s" * KB) and store.offset(key(1)) != old and store.used_bytes == 2 * KB
+    new = store.acquire(key(1))
+    store.release(key(1), old)  # the old slot's pins and the new one's are kept apart
+    assert store.used_bytes == 2 * KB and bytes(view) == b"r" * KB and bytes(new[0]) == b"s" * KB
+    store.release(key(1), old)
+    assert store.used_bytes == KB and bytes(new[0]) == b"s" * KB
+    with pytest.raises(InputError):
+        store.release(key(1), old)  # freed: no pin left there
+    store.release(key(1), new[2])
+    assert store.contains(key(1)) and store._entries[key(1)].pins == 0
     store.close()
 
 
@@ -245,9 +249,9 @@ def test_threads_reserve_commit_acquire_release(policy):
                 else:
                     got = store.acquire(k)
                     if got is not None:
-                        view, meta = got
+                        view, meta, at = got
                         assert meta == size and bytes(view) == bytes([fill]) * size, "torn read"
-                        store.release(k)
+                        store.release(k, at)
                 assert store.used_bytes <= store.capacity_bytes
         except Exception as exc:  # surfaced in the main thread
             errors.append(exc)
@@ -279,7 +283,7 @@ def test_shared_memory_store_is_readable_and_writable_from_another_process():
     try:
         values = np.arange(1024, dtype=np.float32)
         assert put(store, key(1), values.tobytes())
-        view, _ = store.acquire(key(1))  # pinned while the other process works on it
+        view, _, at = store.acquire(key(1))  # pinned while the other process works on it
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
         child = ctx.Process(target=_child_read_and_write,
@@ -290,7 +294,7 @@ def test_shared_memory_store_is_readable_and_writable_from_another_process():
         assert child.exitcode == 0
         assert total == float(values.sum())
         assert np.array_equal(np.frombuffer(view, dtype=np.float32), values * 2)
-        store.release(key(1))
+        store.release(key(1), at)
     finally:
         store.close()
     assert not os.path.exists(f"/dev/shm/{name}")
@@ -304,10 +308,10 @@ def test_a_quarantined_slot_leaves_the_key_space_but_is_never_reused_until_freed
     assert not store.contains(key(1)) and store.offset(key(1)) is None
     assert put(store, key(1), b"a" * KB)  # the same key, stored again: in the other slot
     view[:] = b"z" * KB  # a late writer changes only its quarantined slot
-    got, _ = store.acquire(key(1))
+    got, _, at = store.acquire(key(1))
     assert bytes(got) == b"a" * KB
     assert store.reserve(key(2), KB) is None  # the quarantined slot is not handed out, even under pressure
-    store.release(key(1))
+    store.release(key(1), at)
     assert store.free_quarantined(token) and not store.free_quarantined(token)
     assert store.quarantined_bytes == 0
     assert put(store, key(2), b"b" * KB)

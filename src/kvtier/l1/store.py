@@ -4,13 +4,14 @@ Life of an entry::
 
     reserve(key, nbytes) -> slot view   (pinned, invisible)  -> write the bytes ->
     commit(key)                         (visible, unpinned, known to the policy)
-    acquire(key) -> (view, meta)        (pinned, counts an access)  -> read the bytes -> release(key)
+    acquire(key) -> (view, meta, offset) (pinned, counts an access) -> read the bytes -> release(key, offset)
 
 Eviction is synchronous and bounded: ``reserve`` evicts unpinned committed entries in policy order
 until a contiguous slot fits (fragmentation can need more than the byte count), and returns None
 ("not stored") once nothing unpinned is left; it never waits. Pinned entries (reserved, or acquired
 and not yet released) are never evicted. ``remove`` of a pinned entry hides it at once and frees its
-slot at the last ``release``; until then its key cannot be reserved again.
+slot at the last ``release``; its key can be reserved again at once, in another slot (a pin is released by
+key *and* offset, so the old slot's readers and the new one's never release each other's pins).
 
 Quarantine: ``quarantine(key)`` takes a reservation out of the key space without freeing its slot (the
 server does this when a store lease expires while its client may still be writing into the slot through
@@ -46,7 +47,6 @@ class _Entry:
     meta: Any
     pins: int = 1  # the reservation pin, dropped by commit
     committed: bool = False
-    removed: bool = False  # removed while pinned: freed by the last release
 
 
 class L1Store:
@@ -78,7 +78,8 @@ class L1Store:
         self.on_evict: EvictCallback | None = None
         self._lock = threading.Lock()
         self._entries: dict[Hashable, _Entry] = {}
-        self._num_chunks = 0  # committed and not removed
+        self._removed: dict[int, _Entry] = {}  # arena offset -> entry removed while pinned, freed by its last release
+        self._num_chunks = 0  # committed entries in _entries
         self._quarantined: dict[int, int] = {}  # token -> arena offset of a quarantined slot
         self._quarantined_bytes = 0
         self._next_token = 1
@@ -191,11 +192,11 @@ class L1Store:
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def acquire(self, key: Hashable, count_access: bool = True) -> tuple[memoryview, Any] | None:
+    def acquire(self, key: Hashable, count_access: bool = True) -> tuple[memoryview, Any, int] | None:
         """Pin a committed entry and (unless ``count_access`` is False, e.g. for an internal L2 write)
-        count an access; returns (view of its bytes, meta) or None.
+        count an access; returns (view of its bytes, meta, arena offset of its slot) or None.
 
-        Every successful acquire needs one ``release(key)``.
+        Every successful acquire needs one ``release(key, offset)``.
         """
         with self._lock:
             entry = self._visible(key)
@@ -204,27 +205,29 @@ class L1Store:
             entry.pins += 1
             if count_access:
                 self._policy.access(key)
-            return self.arena.view(entry.offset, entry.nbytes), entry.meta
+            return self.arena.view(entry.offset, entry.nbytes), entry.meta, entry.offset
 
-    def release(self, key: Hashable) -> None:
-        """Drop one pin taken by ``acquire``; frees the slot if the entry was removed meanwhile.
+    def release(self, key: Hashable, offset: int) -> None:
+        """Drop one pin that ``acquire`` took on the slot at ``offset``; frees the slot if the entry was removed
+        meanwhile (then ``key`` may name a newer entry in another slot, which keeps its own pins).
 
-        Raises InputError when ``key`` holds no acquire pin.
+        Raises InputError when that slot holds no acquire pin of ``key``.
         """
         with self._lock:
             entry = self._entries.get(key)
+            removed = entry is None or entry.offset != offset
+            if removed:
+                entry = self._removed.get(offset)
             if entry is None or not entry.committed or entry.pins <= 0:
-                raise InputError(f"release({key!r}) without a matching acquire")
+                raise InputError(f"release({key!r}, {offset}) without a matching acquire")
             entry.pins -= 1
-            if entry.pins == 0 and entry.removed:
-                del self._entries[key]
-                self.arena.free(entry.offset)
+            if entry.pins == 0 and removed:
+                del self._removed[offset]
+                self.arena.free(offset)
 
     def _visible(self, key: Hashable) -> _Entry | None:
         entry = self._entries.get(key)
-        if entry is None or not entry.committed or entry.removed:
-            return None
-        return entry
+        return entry if entry is not None and entry.committed else None
 
     def contains(self, key: Hashable) -> bool:
         """True when ``key`` is committed and not removed. Does not count an access."""
@@ -238,14 +241,14 @@ class L1Store:
             return None if entry is None else entry.meta
 
     def offset(self, key: Hashable) -> int | None:
-        """Arena offset of the slot of ``key`` (reserved or committed, not removed), None when absent.
+        """Arena offset of the slot of ``key`` (reserved or committed), None when absent.
 
         For the shared-memory data plane: a client attached to the arena copies at this offset
         while the server holds the pin (reserve or acquire).
         """
         with self._lock:
             entry = self._entries.get(key)
-            return None if entry is None or entry.removed else entry.offset
+            return None if entry is None else entry.offset
 
     def touch(self, keys: Iterable[Hashable]) -> int:
         """Count an access to each committed key, in the given order; returns how many were present.
@@ -265,8 +268,8 @@ class L1Store:
     def remove(self, key: Hashable) -> bool:
         """Delete a committed entry; False when absent. Not reported through ``on_evict``.
 
-        A pinned entry disappears at once (contains/acquire miss) but its slot is freed at the last
-        ``release``; until then ``reserve`` of the same key returns None.
+        A pinned entry disappears at once (contains/acquire miss, and the key can be reserved again) but its
+        slot is freed at the last ``release``.
         """
         with self._lock:
             return self._remove_locked(key)
@@ -277,17 +280,17 @@ class L1Store:
             return False
         self._policy.remove(key)
         self._num_chunks -= 1
+        del self._entries[key]
         if entry.pins:
-            entry.removed = True
+            self._removed[entry.offset] = entry
         else:
-            del self._entries[key]
             self.arena.free(entry.offset)
         return True
 
     def clear(self) -> list[Hashable]:
         """Remove every committed entry (as ``remove``); returns their keys. Reservations stay."""
         with self._lock:
-            keys = [k for k, e in self._entries.items() if e.committed and not e.removed]
+            keys = [k for k, e in self._entries.items() if e.committed]
             for key in keys:
                 self._remove_locked(key)
             return keys
@@ -295,7 +298,7 @@ class L1Store:
     def keys(self) -> list[Hashable]:
         """Keys of the committed, visible entries (a snapshot, in no particular order)."""
         with self._lock:
-            return [k for k, e in self._entries.items() if e.committed and not e.removed]
+            return [k for k, e in self._entries.items() if e.committed]
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -320,6 +323,7 @@ class L1Store:
         """Unmap the arena and, when this store created a ``/dev/shm`` file, unlink it."""
         with self._lock:
             self._entries.clear()
+            self._removed.clear()
             self._quarantined.clear()
             self._quarantined_bytes = 0
             self._num_chunks = 0
