@@ -228,6 +228,16 @@ def check_extra_keys(extra_keys, num_blocks: int) -> tuple | None:
     return tuple(out) if any_keys else None
 
 
+def refreeze_extra_keys(entries) -> tuple:
+    """``check_extra_keys``'s form again (tuples, one object per distinct flat key) for keys it accepted, one entry
+    per block as given, after msgpack turned tuples into lists and shared keys into copies: pickle-based hashes
+    (``sha256``, ``xxhash``) depend on both, so the server's hashing child must hash the very form the request
+    thread would. Raises InputError as ``check_extra_keys`` does."""
+    seen: dict = {}
+    return tuple(None if entry is None else tuple(_check_key(key, 1, b, seen) for key in entry)
+                 for b, entry in enumerate(entries))
+
+
 def _check_key(key, depth: int, block: int, seen: dict):
     kind = type(key)
     if kind in _FLAT:

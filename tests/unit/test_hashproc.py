@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.errors import InputError
 from kvtier.hashing import prefix_hashes
+from kvtier.identity import check_extra_keys, refreeze_extra_keys
 from kvtier.server import hashproc
 from kvtier.server.hashproc import HashProcess, HashProcessError
 
@@ -33,6 +34,20 @@ def test_same_digests_as_in_process(proc, algorithm):
             want = prefix_hashes(tokens, 16, algorithm, "seed", keys, include_partial=True)
             assert proc.prefix_hashes(tokens, 16, algorithm, "seed", keys, include_partial=True) == want
     assert proc.prefix_hashes(np.zeros(0, np.int64), 16, algorithm, "seed") == []
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "xxhash"])
+def test_shared_keys_hash_as_in_process(proc, algorithm):
+    """``check_extra_keys`` makes equal flat keys one object and pickle writes a repeated object as a reference:
+    the child, which gets copies over msgpack, must hash that same form (a repeated key within a block, a key
+    repeated inside a nested one)."""
+    mm = ("mm", "imghash", 0)
+    raw = [[list(mm), list(mm)], None, [["x", ["a", "b"]], ["y", ["a", "b"]]], [mm, ("cache_salt", "s")]]
+    keys = check_extra_keys(raw, 4)
+    tokens = np.arange(64)
+    want = prefix_hashes(tokens, 16, algorithm, "seed", keys)
+    assert proc.prefix_hashes(tokens, 16, algorithm, "seed", keys) == want
+    assert prefix_hashes(tokens, 16, algorithm, "seed", refreeze_extra_keys(raw)) == want
 
 
 def test_bad_input_is_the_in_process_error(proc):

@@ -31,6 +31,7 @@ import numpy as np
 
 from kvtier.errors import InputError
 from kvtier.hashing import prefix_hashes
+from kvtier.identity import refreeze_extra_keys
 
 log = logging.getLogger(__name__)
 HASH_NICENESS = 10
@@ -141,11 +142,6 @@ class HashProcess:
             proc.wait()
 
 
-def _tuples(value):
-    """Lists back to tuples, all the way down (``identity.check_extra_keys``'s form)."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
-
-
 def main() -> None:
     """The child: answer ``HashJob`` frames on stdin until it closes."""
     try:
@@ -157,7 +153,7 @@ def main() -> None:
     while (body := _read(stdin)) is not None:
         try:
             job = decoder.decode(body)
-            extra = None if job.extra_keys is None else _tuples(job.extra_keys)
+            extra = None if job.extra_keys is None else refreeze_extra_keys(job.extra_keys)
             reply = HashDone(prefix_hashes(np.frombuffer(job.tokens, "<i8"), job.block_size, job.algorithm, job.seed, extra,
                                            include_partial=job.include_partial))
         except Exception as exc:  # noqa: BLE001 -- every job gets its answer; the server raises it as InputError
