@@ -336,3 +336,24 @@ def test_a_put_on_a_full_disk_keeps_the_head_of_its_records(tmp_path):
                 adapter.delete([name for name, _ in items])
         finally:
             adapter.close()
+
+
+def test_a_full_disk_opens_again_and_serves_its_records(tmp_path):
+    with small_tmpfs(tmp_path / "l2", "64k") as mount:
+        spec = {"type": "local_disk", "path": str(mount / "kv")}
+        adapter = create_adapter(spec)
+        items = [(f"{i:016x}-{i:064x}", [bytes([i]) * 6000]) for i in range(24)]
+        stored = adapter.put(items).count(True)
+        adapter.close()
+        assert stored > 0
+        with contextlib.suppress(OSError), open(mount / "filler", "wb") as filler:  # the last free page too
+            while True:
+                filler.write(b"f" * 4096)
+                filler.flush()
+        again = create_adapter(spec)  # a restart on a full disk: a warning, not a refusal
+        try:
+            assert sorted(again.list_names()) == [name for name, _ in items[:stored]]
+            assert again.get([items[0][0]])[0] == items[0][1][0]
+            assert again.put([(f"{99:016x}-{99:064x}", [b"x" * 6000])]) == [False]  # dropped, not raised
+        finally:
+            again.close()

@@ -117,7 +117,10 @@ class LocalDiskAdapter(L2Adapter):
             if config.num_threads > 1 else None
         self._check_writable()
         if self._depth:  # first level up front: a lazily created shard costs two more journal commits per put
-            self._make_shard_dirs(*(os.path.join(self.root, f"{i:02x}") for i in range(256)))
+            try:
+                self._make_shard_dirs(*(os.path.join(self.root, f"{i:02x}") for i in range(256)))
+            except OSError as exc:  # a full disk: the writes that need them are dropped (and counted) later
+                log.warning("local_disk %s: cannot make its shard folders (%s)", self.root, exc.strerror or exc)
         self._scan()
         with self._lock:
             shrunk = self._evict_until(0)
@@ -469,6 +472,10 @@ class LocalDiskAdapter(L2Adapter):
             self._with_direct_fallback(lambda: self._write_direct(probe, [memoryview(bytes(fileio.ALIGN))], fileio.ALIGN),
                                        lambda: self._write_buffered(probe, [memoryview(b"kvtier")]))
         except OSError as exc:
+            if exc.errno in _FULL_ERRNOS and os.path.isdir(self.root):  # its records can still be read
+                log.warning("local_disk %s is full (%s): its records are served, new ones are dropped until space "
+                            "is freed (set size_gb below the free space to let kvtier evict)", self.root, exc.strerror)
+                return
             raise ConfigError(f"local_disk path {self.root!r} is not usable ({exc.strerror or exc}); "
                               "give 'path' a directory kvtier can create and write, or fix its "
                               "permissions or mount") from None
