@@ -12,15 +12,17 @@ order. ``HashJob.tokens`` is the prompt as int64 little-endian bytes; ``extra_ke
 hash pickles them: a list would give another digest).
 
 Life cycle: started by the first ``prefix_hashes`` call; the child exits when its stdin closes (the server
-stopped or died). A child that dies or answers garbage is restarted by the next call after
-``RESTART_BACKOFF_SECONDS``; until then ``prefix_hashes`` raises ``HashProcessError`` and the caller hashes in
-process. Thread-safety: one caller at a time (the hashing worker thread).
+stopped or died). A child that dies, answers garbage or does not answer within ``reply_timeout_seconds`` (stopped,
+swapped out, stuck: it is killed) is restarted by the next call after ``RESTART_BACKOFF_SECONDS``; until then
+``prefix_hashes`` raises ``HashProcessError`` and the caller hashes in process.
+Thread-safety: one caller at a time (the hashing worker thread).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import struct
 import subprocess
 import sys
@@ -75,10 +77,54 @@ def _read(stream) -> bytes | None:
     return body if len(body) == size else None
 
 
-class HashProcess:
-    """The server's end of the hashing child (see the module docstring)."""
+def _ready(fd: int, deadline: float, write: bool = False) -> None:
+    wait = deadline - time.monotonic()
+    readable, writable, _ = select.select([] if write else [fd], [fd] if write else [], [], max(0.0, wait))
+    if not (writable if write else readable):
+        raise TimeoutError("the hashing process did not keep up")
 
-    def __init__(self) -> None:
+
+def _write_by(fd: int, body: bytes, deadline: float) -> None:
+    """``_write`` on the non-blocking pipe ``fd`` (its file object left unused) by ``time.monotonic()``
+    ``deadline``. Raises TimeoutError."""
+    data = memoryview(_LEN.pack(len(body)) + body)
+    while data:
+        _ready(fd, deadline, write=True)
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:  # no room after all: wait again
+            continue
+
+
+def _read_by(fd: int, deadline: float) -> bytes | None:
+    """One frame from the pipe ``fd`` (its file object left unused) by ``deadline``; None at end of file.
+    Raises TimeoutError."""
+    def exactly(size: int) -> bytes | None:
+        parts, left = [], size
+        while left:
+            _ready(fd, deadline)
+            part = os.read(fd, min(left, 1 << 20))
+            if not part:
+                return None
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+
+    head = exactly(_LEN.size)
+    if head is None or _LEN.unpack(head)[0] > MAX_FRAME_BYTES:
+        return None
+    return exactly(_LEN.unpack(head)[0])
+
+
+class HashProcess:
+    """The server's end of the hashing child (see the module docstring).
+
+    Args:
+        reply_timeout_seconds: the longest wait for one answer; then the child is killed and replaced.
+    """
+
+    def __init__(self, reply_timeout_seconds: float = 5.0) -> None:
+        self.reply_timeout_seconds = reply_timeout_seconds
         self._proc: subprocess.Popen | None = None
         self._failed_at = -RESTART_BACKOFF_SECONDS
         self._encoder = msgspec.msgpack.Encoder()
@@ -93,9 +139,13 @@ class HashProcess:
         job = HashJob(np.ascontiguousarray(tokens, "<i8").tobytes(), block_size, algorithm, seed,
                       None if extra_keys is None else list(extra_keys), include_partial)
         try:
-            _write(proc.stdin, self._encoder.encode(job))
-            body = _read(proc.stdout)
+            deadline = time.monotonic() + self.reply_timeout_seconds
+            _write_by(proc.stdin.fileno(), self._encoder.encode(job), deadline)
+            body = _read_by(proc.stdout.fileno(), deadline)
             reply = None if body is None else self._decoder.decode(body)
+        except TimeoutError:
+            proc.kill()
+            self._fail(f"no answer within {self.reply_timeout_seconds:g} s (killed)")
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             self._fail(f"{type(exc).__name__}: {exc}")
         if reply is None:
@@ -114,6 +164,7 @@ class HashProcess:
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "kvtier.server.hashproc"], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, close_fds=True)
+            os.set_blocking(self._proc.stdin.fileno(), False)  # a stopped child must not block a write
         except OSError as exc:
             self._fail(f"cannot start it: {exc}")
         return self._proc

@@ -56,7 +56,7 @@ class Prehasher:
         self.waiting: dict[int, Job] = {}  # id(job) -> job, parked and not answered
         self._wakeup = Wakeup()
         self._stopped = False
-        self._hashproc = HashProcess()
+        self._hashproc = HashProcess(timeout_seconds)  # a later answer would be refused anyway
         self._thread = threading.Thread(target=self._work, name="kvtier-prehash", daemon=True)
         self._thread.start()
 
