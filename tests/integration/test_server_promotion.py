@@ -5,6 +5,7 @@ local_disk L2 wrapped by the fault-injecting adapter (``kvtier.l2.faulty``) to m
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import msgspec
@@ -233,3 +234,21 @@ def test_chunks_cleared_while_an_engine_copies_them_can_be_promoted_and_stored_a
             assert n == len(tokens) and torch.equal(out, kv)
         out, n = a.retrieve(tokens)
         assert n == len(tokens) and torch.equal(out, kv)
+
+
+def test_a_client_whose_call_timed_out_leaves_no_session_behind(tmp_path):
+    """A load deadline shorter than a slow L2 read resets the client's socket; it says Bye on the old one, so the
+    server does not keep (and count against the user's connections) a session per timed-out call."""
+    prompts = [prompt(40 + i, 2) for i in range(6)]
+    with server(tmp_path, faulty(tmp_path, 0.5, ["get"]), max_connections_per_principal=3) as srv, \
+            Client(srv.url, model="m", layout=LAYOUT, retry_after_seconds=0.05) as engine:
+        for tokens, kv in prompts:
+            only_in_l2(engine, tokens, kv)
+        for tokens, _ in prompts:
+            with engine.retrieve_chunks(tokens, timeout_seconds=0.2) as got:  # the promotion takes 0.5 s
+                assert not got.ok or got.num_tokens == 0
+            time.sleep(0.1)  # past retry_after_seconds: the next call reconnects
+        wait_for(lambda: metric_value(srv.metrics_text(), "kvtier_connected_clients") <= 1, 10, "sessions to end")
+        with Client(srv.url, model="m", layout=LAYOUT) as other:  # another engine of the same user gets in
+            assert other.lookup(prompts[0][0]) == 2 * CHUNK
+        assert engine.lookup(prompts[1][0]) == 2 * CHUNK

@@ -33,6 +33,7 @@ from kvtier.errors import ProtocolError
 log = logging.getLogger(__name__)
 _UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _DOWN_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+BYE_LINGER_MILLISECONDS = 200  # how long a dropped socket may take to deliver its Bye
 _REFUSALS = ("version_mismatch", "layout_mismatch", "config_mismatch", "bad_request")
 
 
@@ -52,13 +53,13 @@ class Transport:
         self._linked = False
         self._sock.connect(self.url)
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, linger_milliseconds: int = 0) -> None:
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:
             pass
         self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._sock.close(linger=linger_milliseconds)
 
     def _drain_monitor(self, wait_seconds: float = 0.0) -> None:
         """Apply queued connection events to ``_linked`` (waiting up to ``wait_seconds`` for the first)."""
@@ -81,12 +82,24 @@ class Transport:
 
     def _mark_down(self, why: str, backoff: bool = True) -> None:
         if backoff:  # a hung server: start over with a fresh socket after a pause
-            self._close_socket()
+            self._close_socket(self._send_bye())
             self._open_socket()
             self._down_until = time.monotonic() + self.retry_after_seconds
         if not self._warned:
             log.warning("kvtier server %s unavailable (%s): calls are cache misses until it is back", self.url, why)
             self._warned = True
+
+    def _send_bye(self) -> int:
+        """Queue a ``Bye`` on the socket about to be dropped (its request timed out, e.g. behind a slow L2
+        promotion): without it the server keeps that session, and counts it against this principal's
+        connections, until it goes idle. Never waits; returns the linger (ms) that lets it leave."""
+        if self.info is None or not self._linked:
+            return 0
+        try:
+            self._sock.send_multipart([P.encode(P.Bye(id=next(self._ids)))], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return 0
+        return BYE_LINGER_MILLISECONDS
 
     def _handshake(self, raise_refusal: bool = False) -> bool:
         hello = P.Hello(id=next(self._ids), version=P.PROTOCOL_VERSION, model=self.model,
