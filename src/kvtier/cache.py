@@ -186,7 +186,10 @@ class KVCache:
                                        checksums.get(slot.ref.index)))
                 refs.append(slot.ref)
                 offsets[slot.ref.key] = pinned[2]
-            self.l2.write_async(ticket.tokens, items, lambda key, at=offsets: self.l1.release(key, at[key]), refs)
+            if len(items) < len(run) and self.l2.adapters and ticket.on_lost is not None:
+                ticket.on_lost(len(run) - len(items))  # evicted before it could be written
+            self.l2.write_async(ticket.tokens, items, lambda key, at=offsets: self.l1.release(key, at[key]), refs,
+                                lost=ticket.on_lost)
         self.tiers.refresh_gauges()
         return len(ticket.slots)
 

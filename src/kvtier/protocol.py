@@ -147,7 +147,8 @@ class Clear(_Msg, tag="clear"):
 
 
 class Flush(_Msg, tag="flush"):
-    """Answer once queued L2 writes are done, or after ``timeout_seconds`` (``FlushReply.done`` False)."""
+    """Answer once queued L2 writes are done, or after ``timeout_seconds`` (``FlushReply.done`` False); ``done`` is
+    also False, once, when an L2 write of a store this connection committed was dropped or failed meanwhile."""
 
     timeout_seconds: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
 

@@ -8,6 +8,7 @@ data: no locks, no tier access.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +57,8 @@ class StoreTicket:
     refs: list[ChunkRef]
     slots: list[Slot] = field(default_factory=list)
     limited: bool = False
+    # told, from the L2 writer's thread, how many committed chunks will not reach L2 (dropped, failed): flush()
+    on_lost: Callable[[int], None] | None = None
 
     @property
     def nbytes(self) -> int:

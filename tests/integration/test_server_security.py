@@ -263,3 +263,22 @@ def test_flush_is_false_after_the_server_restarted(tmp_path):
         client.close()
         server.stop()
 
+
+
+def test_flush_is_false_when_an_acknowledged_write_did_not_reach_l2(tmp_path):
+    """A store is acknowledged once L1 holds it; its L2 write can still be dropped (a full write queue) or fail
+    (the adapter refuses it). Flush says so, to the client whose write it was, once."""
+    failing = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "bad")}, "error_rate": 1.0,
+               "ops": ["put"]}
+    with ServerProc(tmp_path, config={"l2_adapters": [failing]}) as server, \
+            Client(server.url, model="m", layout=LAYOUT) as writer, Client(server.url, model="m", layout=LAYOUT) as idle:
+        assert writer.store(list(range(2 * CHUNK)), kv_for(2 * CHUNK, 3)) == 2
+        assert writer.flush(30.0) is False and idle.flush(30.0) is True  # only the writer's own losses count
+        assert writer.flush(30.0) is True  # reported once
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk")}
+    with ServerProc(tmp_path, config={"l2_adapters": [disk], "l2_write_queue_size": 4}) as server, \
+            Client(server.url, model="m", layout=LAYOUT) as client:
+        assert client.store(list(range(64 * CHUNK)), kv_for(64 * CHUNK, 4)) == 64  # 60 of its writes find no room
+        assert client.flush(30.0) is False
+        assert client.store(list(range(10**6, 10**6 + 2 * CHUNK)), kv_for(2 * CHUNK, 5)) == 2
+        assert client.flush(30.0) is True

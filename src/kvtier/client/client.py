@@ -272,8 +272,9 @@ class Client(Transport):
     def flush(self, timeout_seconds: float = 30.0) -> bool:
         """Wait (at most ``timeout_seconds``) until the server's queued L2 writes are done. True only when every
         store this client saw acknowledged since the last True is durable in the same server incarnation:
-        False on timeout, when the server is unavailable, and once after the server restarted (a new
-        ``server_id``: writes acknowledged by the old one may be lost)."""
+        False on timeout, when the server is unavailable, once after one of its L2 writes was dropped or failed,
+        and once after the server restarted (a new ``server_id``: writes acknowledged by the old one may be
+        lost)."""
         with self._lock:
             saved, self.timeout_seconds = self.timeout_seconds, max(self.timeout_seconds, timeout_seconds + 5.0)
             try:

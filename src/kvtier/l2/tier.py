@@ -63,6 +63,7 @@ class _WriteBatch:
     items: list[WriteItem]
     release: Callable[[ChunkKey], None]
     event_refs: list | None  # the items' ChunkRefs (tickets.ChunkRef), for events
+    lost: Callable[[int], None] | None = None  # told how many items were not written
 
 
 class L2Tier:
@@ -210,14 +211,15 @@ class L2Tier:
 
     # ---- writes ------------------------------------------------------------------------
     def write_async(self, tokens, items: list[WriteItem], release: Callable[[ChunkKey], None],
-                    event_refs: list | None = None) -> int:
+                    event_refs: list | None = None, lost: Callable[[int], None] | None = None) -> int:
         """Queue ``items`` (consecutive chunks of the prompt ``tokens``) for write-through to every adapter.
 
         ``event_refs``: the items' ``tickets.ChunkRef``s, one per item, so the written chunks are announced
         (BlockStored, medium ``STORAGE``).
 
         Items that do not fit in the queue are dropped (``kvtier_l2_write_dropped_total``) and
-        released at once. Returns how many were queued. Never blocks.
+        released at once. ``lost``: called with how many items will not be in L2 (dropped here, or not written
+        by any adapter), so a ``Flush`` can say so. Returns how many were queued. Never blocks.
         """
         if not self.adapters or not items:
             for item in items:
@@ -227,13 +229,15 @@ class L2Tier:
             room = 0 if self._closed else max(0, self.queue_chunks - self._pending)
             queued, dropped = items[:room], items[room:]
             if queued:
-                self._queue.append(_WriteBatch(tokens, queued, release, event_refs))
+                self._queue.append(_WriteBatch(tokens, queued, release, event_refs, lost))
                 self._pending += len(queued)
                 self._cond.notify_all()
         if dropped:
             self.metrics.inc("kvtier_l2_write_dropped_total", len(dropped))
             for item in dropped:
                 release(item.key)
+            if lost is not None:
+                lost(len(dropped))
         return len(queued)
 
     def _writer(self) -> None:
@@ -301,6 +305,8 @@ class L2Tier:
         failed = stored.count(False)
         if failed:
             self.metrics.inc("kvtier_l2_write_dropped_total", failed)
+            if batch.lost is not None:
+                batch.lost(failed)
         if self.events is not None and batch.event_refs:
             run = 0  # announce the leading run of written chunks; a gap breaks the prefix chain
             while run < len(stored) and stored[run]:

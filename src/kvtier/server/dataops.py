@@ -79,6 +79,7 @@ class DataOps:
         ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                            extra_keys=msg.extra_keys, start=msg.start,
                                            max_bytes=self.limits.reserve_budget(session.usage))
+        ticket.on_lost = session.count_lost
         if ticket.limited and not ticket.slots:
             return self._limited(msg, *self.limits.reserved_refusal(session.usage)), []
         if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store

@@ -127,7 +127,7 @@ class KVTierServer(DataOps):
         self._next_idle_scan = 0.0
         self._expired: deque[int] = deque(maxlen=4096)  # recently expired tickets: "lease_expired", not "unknown"
         self._next_ticket = 1
-        self._flushes: list[tuple] = []  # deferred Flush replies: (identity, id, deadline, usage)
+        self._flushes: list[tuple] = []  # deferred Flush replies: (identity, id, deadline, session)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
         self.turns = Turns()
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
@@ -332,9 +332,9 @@ class KVTierServer(DataOps):
 
     def _on_Flush(self, identity, session, msg, payload):
         if self.tiers.l2.flush(0):
-            return P.FlushReply(id=msg.id, done=True), []
+            return P.FlushReply(id=msg.id, done=session.flushed(True)), []
         # answered later by _expire, so a slow L2 never blocks the request loop
-        self._flushes.append((identity, msg.id, time.monotonic() + msg.timeout_seconds, session.usage))
+        self._flushes.append((identity, msg.id, time.monotonic() + msg.timeout_seconds, session))
         session.usage.add(inflight=1)
         return None, []
 
@@ -351,8 +351,8 @@ class KVTierServer(DataOps):
                 done = self.tiers.l2.flush(0)
                 for entry in [f for f in self._flushes if done or f[2] <= now]:
                     self._flushes.remove(entry)
-                    entry[3].add(inflight=-1)  # also when the session is gone: its principal's count must drop
-                    self._send(entry[0], P.FlushReply(id=entry[1], done=done))
+                    entry[3].usage.add(inflight=-1)  # also when the session is gone: its principal's count must drop
+                    self._send(entry[0], P.FlushReply(id=entry[1], done=entry[3].flushed(done)))
             if now < self._next_idle_scan:
                 return
             self._next_idle_scan = now + IDLE_SCAN_SECONDS

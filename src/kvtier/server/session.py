@@ -28,6 +28,21 @@ class Session:
     pid_start: int | None = None  # start time of process ``pid`` here (limits.pid_start_time); None: not visible
     usage: ClientUsage = field(default_factory=ClientUsage)  # what it holds, against server/limits.py bounds
     principal: str = ""  # who it counts under (server/principals.py)
+    lost_writes: int = 0  # its committed chunks that will not reach L2 (counted by the L2 writer's thread) ...
+    lost_reported: int = 0  # ... up to the last Flush reply, which says done=False when more were lost since
+
+    def count_lost(self, num_chunks: int) -> None:
+        """``StoreTicket.on_lost``: ``num_chunks`` of this session's stores will not be in L2."""
+        self.lost_writes += num_chunks
+
+    def flushed(self, drained: bool) -> bool:
+        """A ``Flush`` reply's ``done``: the write queue ``drained`` and no write of this session lost since the
+        last reply (a loss is reported once)."""
+        if not drained:  # a timeout says False already; a loss is still told by the next Flush
+            return False
+        lost, seen = self.lost_writes, self.lost_reported
+        self.lost_reported = lost
+        return lost == seen
 
     def namespace_for(self, namespace: str | None) -> str | None:
         """A request's namespace as the server keys it (None: the session's default)."""
