@@ -37,7 +37,8 @@ Exchanges:
     When the prompt continues past L1 into chunks an L2 adapter's index holds, the server first promotes them
     on its pool and answers when done (or after ``server.promote_timeout_seconds``, with what L1 holds: the
     rest is a miss); other requests are answered meanwhile, so replies to one client's requests keep their
-    order only because a client sends one request at a time.
+    order only because a client sends one request at a time. So does ``Error(limit_exceeded)`` for a request
+    past its principal's queue bound (``server/turns.py``): it is answered on arrival.
   * ``Clear(admin_token)`` -> ``ClearReply(num_chunks)`` at once: L1 is cleared before the reply (``num_chunks``
     L1 chunks dropped); L2 is cleared in the background after the writes queued before it (a later ``Flush``
     waits for it; lookups see no L2 chunk meanwhile). ``Error(unauthorized)`` unless the token matches the

@@ -18,7 +18,7 @@ from kvtier import protocol as P
 from kvtier.client import Client
 
 NUM_MESSAGES = int(os.environ.get("KVTIER_FUZZ_MESSAGES", "100000"))
-BATCH = 500
+BATCH = 200  # pipelined, under the principal's queue bound (256): replies then come in order
 enc = msgspec.msgpack.encode
 
 

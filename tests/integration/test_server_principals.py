@@ -198,3 +198,46 @@ def test_many_connections_of_one_principal_get_one_turn_per_round(tmp_path):
         assert after < 20, after
         for conn in [*hostile, honest]:
             conn.close()
+
+
+def test_a_principal_past_its_queue_bound_is_answered_at_once_and_the_engine_keeps_its_turn(tmp_path):
+    """A tenant pipelining over many connections used to fill the request loop's queues, and then the engine's
+    lookup sat in libzmq's queue behind one request per connection; now the tenant's requests past its bound are
+    refused as they arrive, so the engine's is read, and answered, within a round or two."""
+    secrets = tmp_path / "secrets.yaml"
+    bad = tenant_file(tmp_path, secrets, "hostile")
+    with ServerProc(tmp_path, l1="1MB", extra=("--auth-secret-file", str(secrets)),
+                    config={"server": {"max_inflight_requests_per_principal": 16}}) as server:
+        hostile = [Raw(server.url, secret_file=bad) for _ in range(24)]
+        honest = Raw(server.url, secret_file=secrets)
+        for i, conn in enumerate(hostile):
+            for j in range(48):  # 1,152 new 2,000-token prompts, more than the loop's overall bound
+                conn.send(P.Lookup(id=0, tokens=P.pack_tokens(tokens_of(1000 + 48 * i + j, 125))))
+        poller = zmq.Poller()
+        for conn in [*hostile, honest]:
+            poller.register(conn.sock, zmq.POLLIN)
+        answered = refused = after = 0
+        sent = False
+        while True:
+            ready = dict(poller.poll(30_000))
+            assert ready, "no reply"
+            if honest.sock in ready:
+                assert isinstance(honest.recv(), P.LookupReply)
+                break
+            for conn in hostile:
+                if conn.sock in ready:
+                    reply = conn.recv()
+                    if isinstance(reply, P.LookupReply):
+                        answered += 1
+                        after += sent
+                    else:
+                        assert reply.code == "limit_exceeded" and "waiting for their turn" in reply.message, reply
+                        refused += 1
+            if answered >= 8 and not sent:  # the server is busy with the tenant's lookups: the engine asks now
+                honest.send(P.Lookup(id=0, tokens=P.pack_tokens(tokens_of(1, 2))))
+                sent = True
+        assert after < 12, (after, answered, refused)  # before: one per hostile connection (24) or more
+        assert 0 < refused <= metric_value(server.metrics_text(), "kvtier_client_limit_exceeded_total",
+                                           limit="principal_queued_requests")
+        for conn in [*hostile, honest]:
+            conn.close()

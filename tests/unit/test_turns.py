@@ -63,3 +63,17 @@ def test_full_by_count_and_by_bytes(monkeypatch):
     while turns:
         turns.next_round()
     assert not turns.full and len(turns) == 0
+
+
+def test_a_principal_at_its_bounds_is_refused_and_the_others_still_queue():
+    turns = Turns(max_per_principal=3, max_bytes_per_principal=100)
+    assert all(turns.add(b"h%d" % i, "key:hostile", frames(f"h{i}")) for i in range(3))
+    assert not turns.add(b"h9", "key:hostile", frames("h9"))  # a fourth request: refused, nothing queued
+    assert turns.add(b"e", "key:own", frames("e", 500))  # one large request into an empty queue
+    assert not turns.add(b"e", "key:own", frames("e2"))  # ... but nothing after it while it waits
+    assert len(turns) == 4 and names(turns.next_round()) == ["h0", "e"]
+    assert turns.add(b"h9", "key:hostile", frames("h9")) and turns.add(b"e", "key:own", frames("e3"))
+    rest = []
+    while turns:
+        rest += names(turns.next_round())
+    assert rest == ["h1", "e3", "h2", "h9"]

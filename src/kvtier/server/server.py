@@ -52,7 +52,7 @@ from kvtier.server.session import (
     scoped_namespace,
 )
 from kvtier.server.shm import hold_lock, reap_stale_shm
-from kvtier.server.turns import NEW_CONNECTIONS, Turns
+from kvtier.server.turns import MAX_QUEUED, NEW_CONNECTIONS, Turns
 from kvtier.tiers import Tiers
 from kvtier.zap import guarded_router
 
@@ -129,7 +129,7 @@ class KVTierServer(DataOps):
         self._next_ticket = 1
         self._flushes: list[tuple] = []  # deferred Flush replies: (identity, id, deadline, session)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
-        self.turns = Turns()
+        self.turns = Turns(srv.max_inflight_requests_per_principal if srv.client_limits else MAX_QUEUED)
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
         self.prehash = Prehasher(srv.hash_offload_min_tokens, srv.max_hash_jobs, srv.promote_timeout_seconds,
                                   self.metrics)
@@ -182,7 +182,7 @@ class KVTierServer(DataOps):
 
     def _receive(self) -> None:
         """Move requests from the socket into their principal's turn (``server/turns.py``) until none is left or
-        the turns are full."""
+        the turns are full; one past its principal's bounds is answered at once (``Error(limit_exceeded)``)."""
         while not self.turns.full:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -192,7 +192,11 @@ class KVTierServer(DataOps):
                 continue
             identity = frames[0].bytes
             session = self.sessions.get(identity)
-            self.turns.add(identity, session.principal if session is not None else NEW_CONNECTIONS, frames)
+            if not self.turns.add(identity, session.principal if session is not None else NEW_CONNECTIONS, frames):
+                self.metrics.inc("kvtier_client_limit_exceeded_total", limit="principal_queued_requests")
+                self._send(identity, P.Error(id=P.salvage_id(frames[1].buffer), code="limit_exceeded", message=(
+                    f"this principal has {self.turns.max_per_principal} requests (or "
+                    f"{self.turns.max_bytes_per_principal} bytes) waiting for their turn; wait for replies")))
 
     def _dispatch(self, frames: list) -> None:
         identity, header, payload = frames[0].bytes, frames[1], frames[2:]
