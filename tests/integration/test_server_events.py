@@ -1,6 +1,7 @@
 """``kvtier server --enable-kv-events``: a client's stores reach a subscriber as vLLM-format events,
 with engine-aligned hashes, from L1 (CPU) and L2 (STORAGE); the CLI subscriber prints them."""
 
+import json
 import subprocess
 import sys
 
@@ -65,3 +66,33 @@ def test_cli_subscriber_prints_the_seed_format(tmp_path):
     assert lines[0].startswith("Received event batch at ")
     assert lines[1].startswith("- BlockStored(block_hashes=[") and "medium='CPU'" in lines[1]
     assert "parent_block_hash=None" in lines[1] and f"block_size={CHUNK}" in lines[1]
+
+
+def test_clearing_l2_behind_queued_writes_leaves_no_storage_block_in_a_routers_view(tmp_path):
+    """Clear(STORAGE) runs after the writes queued before it: their records are deleted by it, so a router must
+    not keep them (they used to be announced after the clear's BlockRemoved, and deleted without an event)."""
+    pub, replay = free_port(), free_port()
+    slow = {"type": "faulty", "latency_seconds": 0.02, "ops": ["put"],
+            "inner": {"type": "local_disk", "path": str(tmp_path / "disk")}}
+    extra = ("--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "--l2-adapter", json.dumps(slow))
+    with ServerProc(tmp_path, token="tok", extra=extra, config={"l2_write_queue_size": 256}) as server, \
+            Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv-events") as sub, \
+            Client(server.url, model="m", layout=LAYOUT) as client:
+        prompts = [list(range(10_000 * i, 10_000 * i + 2 * CHUNK)) for i in range(1, 41)]
+        for tokens in prompts:  # 80 L2 writes of 20 ms each are still queued when the clear comes
+            assert client.store(tokens, torch.zeros(LAYOUT.chunk_shape(len(tokens)))) == 2
+        client.clear("STORAGE", admin_token="tok")
+        assert client.flush(60)
+        last = list(range(7, 7 + CHUNK))  # a marker stored after everything else: its events come last
+        assert client.store(last, torch.zeros(LAYOUT.chunk_shape(CHUNK))) == 1 and client.flush(60)
+        marker = event_id(prefix_hashes(last, CHUNK)[-1])
+        index = BlockIndex()
+        while not index.contains(marker, "STORAGE"):
+            got = sub.recv(timeout_seconds=10)
+            assert got is not None, "no event batch within 10 s"
+            index.apply(got[1])
+        held = [h for tokens in prompts for h in (event_id(x) for x in prefix_hashes(tokens, CHUNK))]
+        assert not [h for h in held if index.contains(h, "STORAGE")]  # L2 holds none of them
+        assert all(index.contains(h, "CPU") for h in held)  # L1 still does
+        assert all(client.lookup_tiers(tokens).num_l1_tokens == len(tokens) for tokens in prompts)

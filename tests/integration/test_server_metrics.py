@@ -120,6 +120,10 @@ def test_admin_endpoints_and_token_protected_clear(server):
         status = server.status()
         assert status["l1"]["num_chunks"] == 2 and status["l1"]["used_bytes"] == 2 * CHUNK_BYTES
         assert status["connected_clients"] == 1 and status["clients"][0]["model"] == "m"
+        with Client(server.url, model="m", layout=LAYOUT, namespace="salt-of-tenant-x") as salted:
+            assert salted.ping()
+            shown = {c["namespace"] for c in server.status()["clients"]}
+            assert "salt-of-tenant-x" not in str(server.status()) and any(n and n.startswith("sha256:") for n in shown)
         assert [a["name"] for a in status["l2"]] == ["disk", "flaky"] and status["l2"][0]["healthy"] is True
         assert status["config"]["chunk_size"] == CHUNK and status["uptime_seconds"] >= 0
         for path in ("/status", "/metrics", "/healthz"):

@@ -1,4 +1,4 @@
-"""BlockIndex: the reference-counting consumer helper."""
+"""BlockIndex: a router's set view of what each medium holds."""
 
 from kvtier.events import AllBlocksCleared, BlockIndex, BlockRemoved, BlockStored, EventBatch
 
@@ -11,13 +11,15 @@ def stored(hashes, medium="CPU"):
     return BlockStored(hashes, None, [1] * len(hashes), 1, None, medium, None)
 
 
-def test_stored_twice_removed_once_is_still_present():
+def test_a_removal_drops_a_block_however_often_it_was_stored():
+    """kvtier announces every stored copy and removes a hash once, with its last copy (the emitter's rule)."""
     index = BlockIndex()
-    index.apply(batch(stored([7]), stored([7])))
+    index.apply(batch(stored([7]), stored([7]), stored([7], "STORAGE")))
+    assert index.contains(7, "CPU") and index.stores(7, "CPU") == 2
     index.apply(batch(BlockRemoved([7], "CPU")))
-    assert index.contains(7, "CPU") and index.refcount(7, "CPU") == 1
+    assert not index.contains(7, "CPU") and index.contains(7, "STORAGE") and index.unknown_removals == 0
     index.apply(batch(BlockRemoved([7], "CPU")))
-    assert not index.contains(7) and len(index) == 0
+    assert index.unknown_removals == 1 and len(index) == 1
 
 
 def test_mediums_are_counted_separately_and_unknown_removals_counted():

@@ -276,11 +276,14 @@ class Subscriber:
 
 
 class BlockIndex:
-    """A reference-counting view of which blocks each medium holds, fed with event batches.
+    """A router's view of which blocks each medium holds, fed with event batches: a set per medium, as routers
+    keep it (NVIDIA Dynamo's KV router, vLLM's consumers).
 
-    ``BlockStored`` adds one reference per (hash, medium), ``BlockRemoved`` takes one away, so a block stored
-    twice and removed once is still present; ``AllBlocksCleared`` empties the index. Hashes are used as given
-    (use the decoder's normalised uint64 ints to mix producers).
+    ``BlockStored`` adds (hash, medium), again or not; ``BlockRemoved`` drops it, however often it was stored
+    (kvtier publishes one ``BlockStored`` per stored copy and one ``BlockRemoved`` when the last copy of a hash
+    leaves a medium: ``kvtier.events.emitter``); ``AllBlocksCleared`` empties the index. Hashes are used as
+    given (use the decoder's normalised uint64 ints to mix producers). ``stores(hash, medium)`` counts the
+    ``BlockStored`` seen since the hash was last removed (how many copies were announced).
     """
 
     def __init__(self) -> None:
@@ -300,11 +303,9 @@ class BlockIndex:
                     if not per or ev.medium not in per:
                         self.unknown_removals += 1
                         continue
-                    per[ev.medium] -= 1
-                    if per[ev.medium] == 0:
-                        del per[ev.medium]
-                        if not per:
-                            del self._refs[h]
+                    del per[ev.medium]
+                    if not per:
+                        del self._refs[h]
             elif isinstance(ev, AllBlocksCleared):
                 self._refs.clear()
 
@@ -316,7 +317,7 @@ class BlockIndex:
     def mediums(self, block_hash) -> set[str]:
         return set(self._refs.get(block_hash, ()))
 
-    def refcount(self, block_hash, medium: str) -> int:
+    def stores(self, block_hash, medium: str) -> int:
         return self._refs.get(block_hash, {}).get(medium, 0)
 
     def __len__(self) -> int:

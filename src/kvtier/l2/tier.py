@@ -307,7 +307,8 @@ class L2Tier:
             self.metrics.inc("kvtier_l2_write_dropped_total", failed)
             if batch.lost is not None:
                 batch.lost(failed)
-        if self.events is not None and batch.event_refs:
+        # a clear queued behind this batch deletes what it wrote: not announced (it would stay in routers' views)
+        if self.events is not None and batch.event_refs and not self._clearing:
             run = 0  # announce the leading run of written chunks; a gap breaks the prefix chain
             while run < len(stored) and stored[run]:
                 run += 1
@@ -380,6 +381,8 @@ class L2Tier:
             for i, adapter in enumerate(self.adapters):
                 job.deleted += len(self._call(adapter, "clear", adapter.clear, default=[]) or [])
                 self.index.forget(adapter)
+            if self.events is not None:  # what was announced since the clear was asked for (a race) goes now
+                self.events.cleared("STORAGE")
         finally:
             with self._cond:
                 self._clearing -= 1

@@ -13,6 +13,7 @@ otherwise). Nothing is cleared when refused. Binds 127.0.0.1 unless told otherwi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -41,6 +42,7 @@ _SECRET_WORDS = frozenset({"key", "secret", "token", "password", "passwd", "pwd"
 _SECRET_KEYS = frozenset({"connection_string", "connectionstring", "accountkey", "sharedaccesssignature"})
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 _URL_QUERY = re.compile(r"(?<=[a-z]://)([^\s?#]*)\?[^\s#]*", re.IGNORECASE)  # SAS tokens travel as the query string
+_DIGEST = re.compile(r"[0-9a-f]{32}")  # keys.namespace_of
 _FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
 
 
@@ -95,12 +97,19 @@ def server_status(server) -> dict:
                    "l2": server.tiers.l2.status(), "connected_clients": len(snap["clients"]), **snap})
 
 
+def _shown(namespace: str | None) -> str | None:
+    """A namespace as /status shows it: the connector's are digests already (``keys.namespace_of``: no cache_salt
+    in them); any other string a client chose is shown as a digest of it, never as given."""
+    if not namespace or _DIGEST.fullmatch(namespace):
+        return namespace
+    return "sha256:" + hashlib.sha256(namespace.encode()).hexdigest()[:32]
+
+
 def _sessions_and_leases(server) -> dict:
     """Sessions and leases as /status shows them (taken under the lock)."""
     with server.lock:
         now = time.monotonic()
-        # namespaces are digests (keys.namespace_of): they show no cache_salt
-        clients = [{"model": s.model, "namespace": s.namespace, "tenant": s.tenant, "principal": s.principal,
+        clients = [{"model": s.model, "namespace": _shown(s.namespace), "tenant": s.tenant, "principal": s.principal,
                     "layout_id": s.layout_id, "pid": s.pid, "shared_memory": s.shm,
                     "idle_seconds": round(now - s.last_seen, 3),
                     "reserved_bytes": s.usage.reserved_bytes, "leases": s.usage.leases}
