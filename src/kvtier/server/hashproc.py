@@ -8,8 +8,8 @@ every short request waited for it; here the server's worker thread only waits on
 Wire format (stdin / stdout of the child, nothing pickled): each message is a 4-byte little-endian length and a
 msgspec MessagePack body: ``HashJob`` to the child, ``HashDone`` or ``HashFailed`` back, one reply per job, in
 order. ``HashJob.tokens`` is the prompt as int64 little-endian bytes; ``extra_keys`` were checked by the server
-(``identity.check_extra_keys``); MessagePack turns their tuples into lists, and the child turns them back (the
-hash pickles them: a list would give another digest).
+(``identity.check_extra_keys``); MessagePack turns their tuples into lists and shared keys into copies; the child rebuilds
+that form (``identity.refreeze_extra_keys``: pickle-based hashes depend on both).
 
 Life cycle: started by the first ``prefix_hashes`` call; the child exits when its stdin closes (the server
 stopped or died). A child that dies, answers garbage or does not answer within ``reply_timeout_seconds`` (stopped,
