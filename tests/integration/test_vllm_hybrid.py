@@ -1,7 +1,8 @@
 """A hybrid model in vLLM with kvtier: Gemma-3-270M (sliding-window and full-attention layers, several KV cache
 groups under vLLM's hybrid KV cache manager), fp32, through a kvtier server.
 
-One module-wide scenario, each step a fresh vLLM process (``examples/vllm/offline.py``):
+One module-wide scenario, each step a fresh vLLM process (``examples/vllm/offline.py``; the fresh load with
+``vllm serve``'s engine core and worker processes, the other steps in one process, ``one_process``):
   * vLLM alone computes the prompts (the reference);
   * vLLM + kvtier computes them once (stores): each group's part as its own chunks, the sliding-window part only
     the chunks of its window;
@@ -43,11 +44,11 @@ def scenario(tmp_path_factory):
     ids = document_tokens(model)
     prompts = [ids[:PROMPT_TOKENS[0]], ids[2000:2000 + PROMPT_TOKENS[1]]]
     disk = {"type": "local_disk", "path": str(work / "l2")}
-    out = {"prompts": prompts, "reference": run_vllm(work, "alone", prompts, model=model)}
+    out = {"prompts": prompts, "reference": run_vllm(work, "alone", prompts, model=model, one_process=True)}
     server = KVTierServer(work, chunk_size=CHUNK, l2=disk, block_size=BLOCK)
     try:
         kvtier = {"kvtier.server_url": server.url, "kvtier.timeout_seconds": 5}
-        out["cold"] = run_vllm(work, "cold", prompts, kvtier=kvtier, model=model)
+        out["cold"] = run_vllm(work, "cold", prompts, kvtier=kvtier, model=model, one_process=True)
         out["stored"] = metric_sum(server.metrics_text(), "kvtier_store_chunks_total")
         out["fresh"] = run_vllm(work, "fresh", prompts, kvtier=kvtier, model=model)
         out["stored_after_fresh"] = metric_sum(server.metrics_text(), "kvtier_store_chunks_total")
@@ -56,7 +57,7 @@ def scenario(tmp_path_factory):
         server = KVTierServer(work, chunk_size=CHUNK, block_size=BLOCK, port=port, admin_port=admin_port,
                               l2={"type": "faulty", "inner": disk, "ops": ["get"], "error_rate": 1.0})
         time.sleep(1.0)
-        out["failed"] = run_vllm(work, "failed", prompts[:1], kvtier=kvtier, model=model)
+        out["failed"] = run_vllm(work, "failed", prompts[:1], kvtier=kvtier, model=model, one_process=True)
     finally:
         server.stop()
     return out
@@ -94,7 +95,7 @@ def test_in_process_cache_shares_one_l2_between_parts(scenario, tmp_path):
     """No server: each vLLM process keeps the parts' caches in process over one L1 and one local-disk L2."""
     model, prompt = gemma3_dir(), scenario["prompts"][1]
     kvtier = {"kvtier.local_disk": str(tmp_path / "l2")}
-    run_vllm(tmp_path, "in-process-cold", [prompt], kvtier=kvtier, model=model)
-    fresh = by_prompt(run_vllm(tmp_path, "in-process-fresh", [prompt], kvtier=kvtier, model=model))[0]
+    run_vllm(tmp_path, "in-process-cold", [prompt], kvtier=kvtier, model=model, one_process=True)
+    fresh = by_prompt(run_vllm(tmp_path, "in-process-fresh", [prompt], kvtier=kvtier, model=model, one_process=True))[0]
     assert fresh["num_cached_tokens"] == len(prompt) // CHUNK * CHUNK
     assert_same_output(fresh, by_prompt(scenario["reference"])[1], "loaded in process in a fresh process")

@@ -5,6 +5,9 @@ silently past its high-water mark or during reconnects). They are asked for on t
 through a DEALER (``[b"", start_seq]``; a DEALER, unlike REQ, receives every streamed reply), and delivered in
 order before the live batch. Batches the publisher no longer buffers are reported as a ``Gap`` (to ``on_gap``,
 ``Subscriber.gaps`` and ``stats.missed_batches``): the consumer must resync (e.g. drop its index).
+A catch-up (``start_seq``) whose publisher does not answer yet is asked again while no live batch arrives: a PUB
+drops what it sends before the SUB has joined, so the first batches of a publisher that starts after the
+subscriber can only come from replay, and no later batch may come to reveal them as a gap.
 Reference: events-and-hashing.md §1.1 (replay layouts of vLLM <= 0.25 and >= 0.26 are both read) and §7.
 """
 
@@ -23,6 +26,7 @@ from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Dec
 from kvtier.events.publisher import END_SEQ
 
 log = logging.getLogger(__name__)
+CATCH_UP_RETRY_SECONDS = 1.0  # an unanswered catch-up is asked again after this long without a live batch
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class Subscriber:
         self._last: int | None = None  # highest seq delivered (or given up on)
         self._live_last: int | None = None  # highest seq seen on the live socket
         self._start_seq = start_seq
+        self._catch_up_at: float | None = None  # monotonic time to ask the replay again (an unanswered catch-up)
         self._drop = 0
 
     @property
@@ -133,10 +138,16 @@ class Subscriber:
             self._recover(start, None)
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         while not self._ready:
-            wait_milliseconds = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sub.poll(wait_milliseconds):
+            now = time.monotonic()
+            if self._catch_up_at is not None and now >= self._catch_up_at:
+                self._recover(self._last + 1, None)
+                continue
+            until = min((t for t in (deadline, self._catch_up_at) if t is not None), default=None)
+            wait_milliseconds = None if until is None else max(0, int((until - now) * 1000))
+            if self._sub.poll(wait_milliseconds):
+                self._on_live(self._sub.recv_multipart())
+            elif deadline is not None and time.monotonic() >= deadline:
                 return None
-            self._on_live(self._sub.recv_multipart())
         return self._ready.popleft()
 
     def iter(self, timeout_seconds: float | None = None):
@@ -175,6 +186,7 @@ class Subscriber:
             log.warning("KV events: sequence went back from %d to %d; the publisher restarted", self._live_last, seq)
             self._last = -1
         self._live_last = seq
+        self._catch_up_at = None  # the publisher is up: a gap before this batch is recovered below
         if self._last is not None and seq <= self._last:
             self.stats.duplicates += 1
             return
@@ -243,12 +255,15 @@ class Subscriber:
         if got is None:
             if last is not None:
                 self._gap(first, last, f"replay did not answer within {self.replay_timeout_seconds} s")
-            else:  # the publisher is not up yet: the first live batch asks for seqs from ``first`` again
-                log.warning("KV events: replay %s did not answer within %s s; catching up from seq %d once the "
-                            "publisher is back", self.replay_endpoint, self.replay_timeout_seconds, first)
+            else:  # the publisher is not up yet: asked again while idle, or the first live batch's gap asks
+                if self._catch_up_at is None:
+                    log.warning("KV events: replay %s did not answer within %s s; catching up from seq %d once the "
+                                "publisher is back", self.replay_endpoint, self.replay_timeout_seconds, first)
+                self._catch_up_at = time.monotonic() + max(CATCH_UP_RETRY_SECONDS, self.replay_timeout_seconds)
                 if self._last is None:
                     self._last = first - 1
             return
+        self._catch_up_at = None
         expected = first
         for seq, payload in sorted(got):
             if seq < expected:
