@@ -4,6 +4,7 @@ shutdown on SIGINT (queued L2 writes finished, shared memory unlinked, exit 0)."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import torch
 from support.server import CHUNK, LAYOUT, ServerProc, free_port, kvtier_cmd
 
 from kvtier.client import Client
+from kvtier.server.shm import pid_alive
 
 
 def refused(*args: str) -> str:
@@ -46,16 +48,6 @@ def test_bad_startup_is_refused_with_one_line(args, expected):
     assert line.startswith("error: ") and expected in line
 
 
-def pid_alive(shm_name: str) -> bool:
-    try:
-        os.kill(int(shm_name.split("-")[1]), 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def test_ports_in_use_are_refused_and_leave_no_shared_memory():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -68,7 +60,8 @@ def test_ports_in_use_are_refused_and_leave_no_shared_memory():
         assert f"cannot listen on 127.0.0.1:{port} (--admin-host/--admin-port)" in line
         # an arena of the refused (exited) server: a kvtier-<pid>-* name whose process is gone (other test
         # workers' live servers may add theirs meanwhile)
-        assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvtier-") and not pid_alive(n)]
+        left = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvtier-")]
+        assert not [n for n in left if not (m := re.match(r"kvtier-(\d+)-", n)) or not pid_alive(int(m.group(1)))]
 
 
 def test_sigint_finishes_queued_l2_writes_and_exits_0(tmp_path):

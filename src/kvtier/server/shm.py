@@ -42,7 +42,7 @@ def reap_stale_shm() -> list[str]:
             continue
         path = os.path.join(SHM_DIR, name)
         try:
-            if os.stat(path).st_uid != os.getuid() or _pid_alive(int(match.group(1))):
+            if os.stat(path).st_uid != os.getuid() or pid_alive(int(match.group(1))):
                 continue
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -59,7 +59,8 @@ def reap_stale_shm() -> list[str]:
     return reaped
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here (one of another user counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
