@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from kvtier.demo import run_demo
+from kvtier.demo.run import run_demo
 
 TARGETS = {"warm_ttft_seconds": 0.2, "cross_process_ttft_seconds": 0.25}
 

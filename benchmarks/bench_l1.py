@@ -31,8 +31,8 @@ import time
 import psutil
 import torch
 
-from kvtier.config import parse_size
 from kvtier.l1.store import L1Store
+from kvtier.units import parse_size
 
 SHAPE = (30, 2, 256, 3, 64)  # SmolLM2-135M: 30 layers, K and V, 256 tokens, 3 KV heads, head dim 64
 MB = 1_000_000

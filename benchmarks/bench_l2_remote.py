@@ -14,21 +14,18 @@ kvtier/raw (target >= 0.9).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: harness/
-from harness import services  # noqa: E402
+from harness import services
 
-from kvtier.hashing import prefix_hashes  # noqa: E402
-from kvtier.keys import ChunkKey  # noqa: E402
-from kvtier.l2.base import create_adapter  # noqa: E402
-from kvtier.layout import KVLayout  # noqa: E402
-from kvtier.record import decode_record, encode_record  # noqa: E402
+from kvtier.hashing import prefix_hashes
+from kvtier.keys import ChunkKey
+from kvtier.l2.base import create_adapter
+from kvtier.layout import KVLayout
+from kvtier.record import decode_record, encode_record
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M: 11.25 MiB per 256 tokens
 TOKENS = 256

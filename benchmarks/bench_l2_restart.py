@@ -30,18 +30,15 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: harness/
-from harness import services  # noqa: E402 -- after the sys.path insert above
-from bench_l2_remote import adapter_spec  # noqa: E402
+from harness import services
+from bench_l2_remote import adapter_spec
 
-from kvtier.cache import KVCache  # noqa: E402
-from kvtier.config import KVTierConfig  # noqa: E402
-from kvtier.layout import KVLayout  # noqa: E402
+from kvtier.cache import KVCache
+from kvtier.config import KVTierConfig
+from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M, fp32: 11.25 MiB per 256 tokens
 CHUNK = 256

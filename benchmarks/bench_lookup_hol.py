@@ -44,7 +44,6 @@ import multiprocessing as mp
 import os
 import random
 import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -52,10 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
-
-from harness.kvtier_server import KVTierServer  # noqa: E402 (after the sys.path line above)
-from harness.metrics import metric_sum  # noqa: E402
+from harness.kvtier_server import ServerProcess
+from harness.metrics import metric_sum
 from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.layout import KVLayout
@@ -74,15 +71,15 @@ def kv_for(tokens: list[int]) -> np.ndarray:
     return np.full(LAYOUT.chunk_shape(len(tokens)), tokens[0] % 97, dtype=LAYOUT.numpy_dtype())
 
 
-def start_server(work: str, delay_seconds: float, l1_bytes: int, inner: dict | None = None) -> KVTierServer:
+def start_server(work: str, delay_seconds: float, l1_bytes: int, inner: dict | None = None) -> ServerProcess:
     """A ``kvtier server`` whose L2 (``inner``, default local disk) answers every call after ``delay_seconds``."""
     inner = inner or {"type": "local_disk", "path": f"{work}/l2-{time.monotonic_ns()}"}
     spec = {"type": "faulty", "latency_seconds": delay_seconds, "inner": inner}
-    return KVTierServer(Path(work), CHUNK, f"{l1_bytes}B", l2=spec, extra=("--log-level", "ERROR"),
+    return ServerProcess(Path(work), CHUNK, f"{l1_bytes}B", l2=spec, extra=("--log-level", "ERROR"),
                         startup_timeout_seconds=120)
 
 
-def counter(server: KVTierServer, name: str) -> float:
+def counter(server: ServerProcess, name: str) -> float:
     return metric_sum(server.metrics_text(), name)
 
 

@@ -39,9 +39,7 @@ import numpy as np
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
-
-from harness.kvtier_server import KVTierServer  # noqa: E402 (after the sys.path line above)
+from harness.kvtier_server import ServerProcess
 from kvtier.cache import KVCache
 from kvtier.client import Client
 from kvtier.config import build_config
@@ -56,9 +54,9 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _LOGS = Path(tempfile.mkdtemp(prefix="kvtier-bench-server-"))  # the servers' logs
 
 
-def start_server(l1_gb: float, *extra: str) -> KVTierServer:
+def start_server(l1_gb: float, *extra: str) -> ServerProcess:
     """A ``kvtier server`` with this benchmark's chunk size and an L1 of ``l1_gb``; ``extra``: more flags."""
-    return KVTierServer(_LOGS, CHUNK, str(l1_gb), extra=("--log-level", "WARNING", *extra), startup_timeout_seconds=120)
+    return ServerProcess(_LOGS, CHUNK, str(l1_gb), extra=("--log-level", "WARNING", *extra), startup_timeout_seconds=120)
 
 
 def tokens_of(doc: int, num_tokens: int) -> list[int]:

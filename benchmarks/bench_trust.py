@@ -29,7 +29,6 @@ import os
 import random
 import signal
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -38,14 +37,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
-
-from harness.kvtier_server import KVTierServer  # noqa: E402 (after the sys.path line above)
-from harness.metrics import parse  # noqa: E402
+from harness.kvtier_server import ServerProcess
+from harness.metrics import parse
 from kvtier import protocol as P
 from kvtier.client import Client
-from kvtier.client.dataplane import host_id
 from kvtier.layout import KVLayout
+from kvtier.proc import host_id
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64)  # 4 KiB per token, fp32
 CHUNK = 64
@@ -53,13 +50,13 @@ CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)  # 256 KiB
 MODEL = "trust-bench"
 
 
-def start_server(workdir: Path, l1_bytes: int, config: dict, lease_seconds: float = 1.0) -> KVTierServer:
+def start_server(workdir: Path, l1_bytes: int, config: dict, lease_seconds: float = 1.0) -> ServerProcess:
     """A ``kvtier server`` with this benchmark's chunk size, an L1 of ``l1_bytes`` and ``config`` (a tree)."""
-    return KVTierServer(workdir, CHUNK, f"{l1_bytes}B", config=config, startup_timeout_seconds=120,
+    return ServerProcess(workdir, CHUNK, f"{l1_bytes}B", config=config, startup_timeout_seconds=120,
                         extra=("--lease-seconds", str(lease_seconds), "--log-level", "ERROR"))
 
 
-def kvtier_series(server: KVTierServer) -> dict[str, float]:
+def kvtier_series(server: ServerProcess) -> dict[str, float]:
     """The server's ``kvtier_*`` samples keyed as exposed (``name{label="value"}``), for the JSON summary."""
     return {name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""): value
             for (name, labels), value in parse(server.metrics_text()).items() if name.startswith("kvtier_")}
@@ -187,7 +184,8 @@ def soak(args) -> dict:
 def hostile(url: str, seed: int, duration_seconds: float, prompt_tokens: int, secret_file: str) -> None:
     import zmq
 
-    from kvtier.auth import apply_client, read_credentials
+    from kvtier.auth.curve import apply_client
+    from kvtier.auth.secret_file import read_credentials
 
     rng = random.Random(seed)
     ctx = zmq.Context()
@@ -233,7 +231,7 @@ def hostile(url: str, seed: int, duration_seconds: float, prompt_tokens: int, se
 
 
 def flood(args) -> dict:
-    from kvtier.auth import add_tenant, tenant_credentials, write_private
+    from kvtier.auth.secret_file import add_tenant, tenant_credentials, write_private
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-flood-"))
     l1_bytes = 256 << 20

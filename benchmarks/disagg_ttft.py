@@ -14,16 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # the repository root: harness/
-sys.path.insert(0, str(HERE))
 
-from reuse_ttft import prompts_from  # noqa: E402 (after the sys.path lines above)
-from harness.vllm import KVTierServer, document_tokens, model_dir, run_vllm  # noqa: E402
+from reuse_ttft import prompts_from
+from harness.vllm import ServerProcessForVLLM, document_tokens, model_dir, run_vllm
 
 
 def main() -> None:
@@ -35,7 +31,7 @@ def main() -> None:
     seen, nomatch = prompts_from(document_tokens(model_dir()))
     with tempfile.TemporaryDirectory(prefix="kvtier-disagg-") as tmp:
         work = Path(tmp)
-        server = KVTierServer(work, chunk_size=args.chunk_size)
+        server = ServerProcessForVLLM(work, chunk_size=args.chunk_size)
         try:
             cfg = {"kvtier.server_url": server.url}
             kw = {"kvtier": cfg, "max_tokens": 1, "warmup": True, "env_extra": env}

@@ -46,14 +46,12 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))  # the repository root: harness/
+from corpus import Corpus
+from harness.dynamo_deploy import REPO, TwoNodes
+from harness.metrics import scrape
+from harness.vllm import model_dir
 
-from corpus import Corpus  # noqa: E402 (after the sys.path line above)
-from harness.dynamo_deploy import REPO, TwoNodes  # noqa: E402
-from harness.metrics import scrape  # noqa: E402
-from harness.vllm import model_dir  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
 QUESTIONS = ["What is this text about? Answer in one sentence.", "Which names or programs does it mention?",

@@ -54,14 +54,13 @@ from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # benchmarks/ and the repository root (harness/)
+from charts import multi_round_qa_chart
+from corpus import Corpus, CorpusExhausted, candidate_files
+from harness.metrics import total
+from harness.vllm import REPO, ServerProcessForVLLM, LMCacheServer, lmcache_missing, model_dir
+from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters
 
-from charts import multi_round_qa_chart  # noqa: E402 (after the sys.path line above)
-from corpus import Corpus, CorpusExhausted, candidate_files  # noqa: E402
-from harness.metrics import total  # noqa: E402
-from harness.vllm import REPO, KVTierServer, LMCacheServer, lmcache_missing, model_dir  # noqa: E402
-from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 SYSTEMS = ("vllm", "lmcache", "kvtier", "kvtier_lazy")
 DEFAULT_SYSTEMS = "vllm,lmcache,kvtier"
@@ -172,7 +171,7 @@ def run_system(system: str, regime: str, kv_blocks: int, args, wl: Workload, wor
     """Start the cache server (if any) and vLLM, run the load, stop both. Returns one measurement (see ``summarise``)."""
     cache = None
     if system in KVTIER_EXTRA:
-        cache = KVTierServer(work, chunk_size=args.chunk_size, l1=f"{args.l1_size_gb}GB")
+        cache = ServerProcessForVLLM(work, chunk_size=args.chunk_size, l1=f"{args.l1_size_gb}GB")
     elif system == "lmcache":
         cache = LMCacheServer(work, chunk_size=args.chunk_size, mode="engine_driven", shm=True, l1_gb=args.l1_size_gb)
     try:

@@ -44,13 +44,10 @@ import tempfile
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # the repository root: harness/
-
-from harness.vllm import (  # noqa: E402 (after the sys.path line above)
+from harness.vllm import (
     REPO,
-    KVTierServer,
     LMCacheServer,
+    ServerProcessForVLLM,
     document_tokens,
     gemma3_dir,
     lmcache_missing,
@@ -58,6 +55,8 @@ from harness.vllm import (  # noqa: E402 (after the sys.path line above)
     run_vllm,
     run_vllm_lmcache,
 )
+
+HERE = Path(__file__).resolve().parent
 
 MODELS = {"smollm2": ("SmolLM2-135M", model_dir), "gemma3": ("Gemma-3-270M", gemma3_dir)}
 MODEL = {"name": "smollm2"}  # set by --model
@@ -101,7 +100,7 @@ def measure(name: str, spec: dict, work: Path, seen, nomatch) -> dict[str, list[
         server = LMCacheServer(work, chunk_size=chunk, mode=mode, shm=shm)
         run = lambda tag, prompts: run_vllm_lmcache(work, f"{name}-{tag}", prompts, server, **kw)  # noqa: E731
     else:
-        server = KVTierServer(work, chunk_size=spec["kvtier"]) if "kvtier" in spec else None
+        server = ServerProcessForVLLM(work, chunk_size=spec["kvtier"]) if "kvtier" in spec else None
         kvtier = {"kvtier.server_url": server.url} if server else None
         run = lambda tag, prompts: run_vllm(work, f"{name}-{tag}", prompts, kvtier=kvtier, **kw)  # noqa: E731
     try:

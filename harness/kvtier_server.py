@@ -64,7 +64,7 @@ def wait_healthy(server, url: str, what: str, timeout_seconds: float) -> None:
     raise RuntimeError(f"{what} not healthy after {timeout_seconds:.0f} s:\n{server.log_path.read_text()[-4000:]}")
 
 
-class KVTierServer:
+class ServerProcess:
     """``kvtier server`` with ``chunk_size`` tokens per chunk and an LRU L1 of ``l1`` (a size: ``"2GB"``,
     ``"4096B"``), on free 127.0.0.1 ports (or ``port`` and ``admin_port``, to restart a server where its
     clients expect it). ``block_size``: hash per engine block (None: per chunk); ``l2``: an L2 adapter spec;

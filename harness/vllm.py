@@ -56,8 +56,8 @@ def document_tokens(folder: Path) -> list[int]:
     return tok(Path(DOC_FILE).read_text()).input_ids
 
 
-class KVTierServer(kvtier_server.KVTierServer):
-    """``harness.kvtier_server.KVTierServer`` hashing per vLLM CPU's block size (128) by default: the connector
+class ServerProcessForVLLM(kvtier_server.ServerProcess):
+    """``harness.kvtier_server.ServerProcess`` hashing per vLLM CPU's block size (128) by default: the connector
     refuses a server that hashes otherwise."""
 
     def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB", block_size: int = 128, **kwargs):

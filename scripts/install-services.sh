@@ -60,10 +60,9 @@ else
   npm install --prefix "$SERVICES_DIR/npm" --no-audit --no-fund --loglevel=error "azurite@$AZURITE_VERSION"
 fi
 
-# 4. Report where each binary is (harness/services.py resolves them the same way).
+# 4. Report where each binary is (harness/services.py resolves them the same way; setup.sh installs harness).
 "$PY" - <<PYEOF
-import os, sys
-sys.path.insert(0, "$REPO")
+import os
 os.environ.setdefault("KVTIER_SERVICES_DIR", "$SERVICES_DIR")
 from harness import services
 for name, path in services.binaries().items():

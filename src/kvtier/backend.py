@@ -2,7 +2,7 @@
 
 Two implementations: ``kvtier.cache.KVCache`` (L1 and L2 inside the engine process) and
 ``kvtier.client.Client`` (a ``kvtier server`` on this host or across the network). A connector written
-against ``KVBackend`` works with both and never needs to probe which one it holds. ``tests/backend/`` runs
+against ``KVBackend`` works with both and never needs to probe which one it holds. ``tests/contract/backend/`` runs
 one set of behavioural tests against both.
 
 Words and units:

@@ -19,7 +19,7 @@ _COMMANDS = {
     "status": ("kvtier.server.cli:status", "show a running server's /status"),
     "auth": ("kvtier.server.cli:auth", "secret files: add a tenant and write its credential file"),
     "events": ("kvtier.events.cli:events", "subscribe to KV cache events"),
-    "demo": ("kvtier.demo:demo", "multi-round QA on a real model, showing TTFT with kvtier"),
+    "demo": ("kvtier.demo.cli:demo", "multi-round QA on a real model, showing TTFT with kvtier"),
 }
 
 

@@ -10,7 +10,7 @@ type, ``Ok``, or ``Error(code, message)``. A header that cannot be decoded at al
 
 Transport: ZMTP 3 with the CURVE mechanism (CurveZMQ, RFC 26) unless the server runs with ``--no-auth``:
 the client pins the server's public key and presents a client key derived from its secret file
-(``kvtier.auth``); the server's ZAP handler (``kvtier.zap``) accepts only known keys, names the tenant
+(``kvtier.auth``); the server's ZAP handler (``kvtier.auth.zap``) accepts only known keys, names the tenant
 (``User-Id``) and assigns the connection's routing id. No message below flows before that handshake.
 
 Exchanges:
@@ -27,7 +27,7 @@ Exchanges:
     may send it without waiting for the reply (``Client.prefetch(wait=False)``) and drop the late reply.
   ``Lookup``, ``Prefetch``, ``StoreBegin`` and ``RetrieveBegin`` carry the prompt's ``tokens`` and, optionally, its per-block
   ``extra_keys`` (one entry per block of ``block_size`` tokens, a trailing partial block included: null or an
-  array of keys; a key is a str, bin, int, null or an array of those; see ``kvtier.identity.check_extra_keys``).
+  array of keys; a key is a str, bin, int, null or an array of those; see ``kvtier.extra_keys.check_extra_keys``).
   The server checks them strictly (``bad_request`` names what is wrong) and hashes them as tuples.
   * ``StoreBegin`` -> ``StoreSlots`` (the chunks to write; ``offset`` into the shared L1 arena, or -1
     when the bytes travel as frames) -> ``StoreCommit`` (+ one frame per slot in frames mode) -> ``StoreDone``.

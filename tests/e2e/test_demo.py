@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvtier.demo import find_document
+from kvtier.demo.run import find_document
 from kvtier.errors import KVTierError
 
 FIELDS = ("cold_ttft_seconds", "warm_ttft_seconds", "cross_process_ttft_seconds", "num_prompt_tokens", "num_hit_tokens",

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from harness import services
-from harness.kvtier_server import KVTierServer
+from harness.kvtier_server import ServerProcess
 from harness.vllm import model_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ class Deployment:
 
 
 def start_kvtier_server(work: Path, chunk_size: int, block_size: int, *, replay: bool = False
-                        ) -> tuple[KVTierServer, dict]:
+                        ) -> tuple[ServerProcess, dict]:
     """A running ``kvtier server`` hashing per ``block_size`` tokens (the engines' block size) and publishing KV
     events for those blocks, with a local-disk L2.
 
@@ -112,12 +112,12 @@ def start_kvtier_server(work: Path, chunk_size: int, block_size: int, *, replay:
     token = "dynamo-test-admin-token"
     flags = ("--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
              *(["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"] if replay else []))
-    server = KVTierServer(work, chunk_size, "0.1", block_size, l2={"type": "local_disk", "path": str(work / "kvtier-l2")},
+    server = ServerProcess(work, chunk_size, "0.1", block_size, l2={"type": "local_disk", "path": str(work / "kvtier-l2")},
                           token=token, extra=flags)
     addresses = {"url": server.url, "admin": server.admin, "events": f"tcp://127.0.0.1:{events}",
                  "admin_headers": {"Authorization": f"Bearer {token}"}}
     if replay:
-        from kvtier.auth import secret_file_for
+        from kvtier.auth.secret_file import secret_file_for
 
         addresses["replay"] = f"tcp://127.0.0.1:{replay_port}"
         addresses["secret_file"] = str(secret_file_for(addresses["url"])[0])

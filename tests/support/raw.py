@@ -8,8 +8,9 @@ import os
 import zmq
 
 from kvtier import protocol as P
-from kvtier.auth import apply_client, read_credentials
-from kvtier.client.dataplane import host_id
+from kvtier.auth.curve import apply_client
+from kvtier.auth.secret_file import read_credentials
+from kvtier.proc import host_id
 
 from support.server import LAYOUT, authenticated
 

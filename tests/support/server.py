@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from harness.kvtier_server import KVTierServer, kvtier_cmd  # noqa: F401 (kvtier_cmd: for the tests)
+from harness.kvtier_server import ServerProcess, kvtier_cmd  # noqa: F401 (kvtier_cmd: for the tests)
 from harness.metrics import metric_value  # noqa: F401 (for the tests)
 from harness.service_proc import free_port  # noqa: F401 (for the tests)
-from kvtier.auth import apply_client, client_credentials
+from kvtier.auth.curve import apply_client
+from kvtier.auth.secret_file import client_credentials
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # 128 bytes per token
@@ -17,7 +18,7 @@ CHUNK = 16  # tokens per chunk in these tests: 2048 bytes per chunk
 CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)
 
 
-class ServerProc(KVTierServer):
+class ServerProc(ServerProcess):
     """A ``kvtier server`` with these tests' layout: ``CHUNK`` tokens per chunk, a small L1, and (unless ``config``
     sets it) one client allowed to reserve all of L1. ``url`` (ZMQ) and ``admin`` (HTTP) are on 127.0.0.1."""
 

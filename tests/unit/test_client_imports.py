@@ -16,7 +16,8 @@ PROBE = """
 import json, sys
 import kvtier.client
 from kvtier.client import Client, KVBackend, Retrieved
-from kvtier.client.dataplane import SharedMapping, attach_arena, host_id, prefault
+from kvtier.client.dataplane import SharedMapping, attach_arena, prefault
+from kvtier.proc import host_id
 print(json.dumps(sorted(sys.modules)))
 """
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from kvtier.config import build_config, load_config, parse_bool, parse_size
+from kvtier.config import build_config, load_config
 from kvtier.errors import ConfigError
+from kvtier.units import parse_bool, parse_size
 
 
 @pytest.mark.parametrize("text,gb", [("5GB", 5), ("512MiB", 512 * 2**20 / 1e9), ("1.5", 1.5), (2, 2),

@@ -7,8 +7,8 @@ import pytest
 from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.events import AllBlocksCleared, BlockIndex, BlockRemoved, BlockStored, EventBatch, EventEmitter
+from kvtier.extra_keys import block_extra_keys
 from kvtier.hashing import event_id, prefix_hashes
-from kvtier.identity import block_extra_keys
 from kvtier.keys import namespace_of
 from kvtier.layout import KVLayout
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvtier.errors import InputError
+from kvtier.extra_keys import check_extra_keys, refreeze_extra_keys
 from kvtier.hashing import prefix_hashes
-from kvtier.identity import check_extra_keys, refreeze_extra_keys
 from kvtier.server import hashproc
 from kvtier.server.hashproc import HashProcess, HashProcessError
 

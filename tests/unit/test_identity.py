@@ -11,14 +11,9 @@ import torch
 from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.errors import InputError
+from kvtier.extra_keys import block_extra_keys, check_extra_keys, event_extra_keys
 from kvtier.hashing import prefix_hashes
-from kvtier.identity import (
-    block_extra_keys,
-    check_extra_keys,
-    event_extra_keys,
-    lora_identity,
-    model_identity,
-)
+from kvtier.identity import lora_identity, model_identity
 from kvtier.keys import namespace_of
 from kvtier.layout import KVLayout
 from kvtier.models import tiny_model
@@ -112,7 +107,8 @@ def test_a_retrained_adapter_misses_and_the_same_adapter_in_another_process_hits
     code = f"""
         from kvtier.cache import KVCache
         from kvtier.config import build_config
-        from kvtier.identity import block_extra_keys, lora_identity
+        from kvtier.extra_keys import block_extra_keys
+        from kvtier.identity import lora_identity
         from kvtier.keys import namespace_of
         from kvtier.layout import KVLayout
         cache = KVCache(build_config({cfg!r}), "base@1", KVLayout(1, 1, 4))

@@ -1,4 +1,4 @@
-"""Local-disk adapter specifics (the shared behaviour is in tests/contract/)."""
+"""Local-disk adapter specifics (the shared behaviour is in tests/contract/l2/)."""
 
 from __future__ import annotations
 

@@ -10,11 +10,11 @@ import time
 import pytest
 import yaml
 
-from kvtier.auth import (
+from kvtier.auth.curve import curve_keypair
+from kvtier.auth.keyring import KeyRing
+from kvtier.auth.secret_file import (
     FULL_ACCESS,
-    KeyRing,
     add_tenant,
-    curve_keypair,
     default_secret_file,
     load_or_create,
     read_credentials,
@@ -124,7 +124,7 @@ def test_routing_id_counter_is_seeded():
                               capture_output=True, text=True, check=True).stdout.strip()
 
     assert first_rand("") == "1804289383"
-    seeded = {first_rand("from kvtier.zap import seed_routing_ids; seed_routing_ids(); ") for _ in range(2)}
+    seeded = {first_rand("from kvtier.auth.zap import seed_routing_ids; seed_routing_ids(); ") for _ in range(2)}
     assert "1804289383" not in seeded and len(seeded) == 2
 
 

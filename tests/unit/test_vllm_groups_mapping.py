@@ -2,7 +2,7 @@
 arithmetic of sliding-window parts, the chunk-size check, and chunk keys that never mix groups in a real cache.
 
 The same logic is checked against vLLM's own ``KVCacheConfig`` and ``KVCacheManager`` in
-``tests/integration/test_vllm_groups.py``.
+``tests/integration/vllm/test_vllm_groups.py``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,52 @@
-"""The server's side of authentication: its secret file, its guarded request socket, a message's tenant.
+"""The server's keys: its secret file, the client keys it accepts (``KeyRing``), and what it logs about them.
 
-See ``kvtier.auth`` (secret file, keys, trust boundary) and ``kvtier.zap`` (who connects, routing ids).
+See ``kvtier.auth`` (trust boundary), ``kvtier.auth.secret_file`` (the file) and ``kvtier.auth.zap`` (who
+connects, routing ids).
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 
-import zmq
-
-from kvtier.auth import FULL_ACCESS, KeyRing, default_secret_file, load_or_create
+from kvtier.auth.secret_file import Credentials, default_secret_file, load_or_create, read_credentials
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+class KeyRing:
+    """The client keys a server accepts, re-read when its secret file changes, so ``kvtier auth tenant``
+    takes effect without a restart. A file that became unreadable keeps the last good keys (logged)."""
+
+    def __init__(self, creds: Credentials):
+        self.creds = creds
+        self._stamp = _stamp(creds.path)
+        self._keys = creds.principals()
+
+    def principals(self) -> dict[bytes, str]:
+        stamp = _stamp(self.creds.path)
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                fresh = read_credentials(self.creds.path)
+            except ConfigError as exc:
+                log.warning("keeping the previous keys: %s", exc)
+                return self._keys
+            if fresh.secret != self.creds.secret:
+                log.warning("the secret in %s changed; the server keeps its old one until it restarts", fresh.path)
+                fresh = Credentials(fresh.path, self.creds.secret, None, None, fresh.tenants)
+            self.creds, self._keys = fresh, fresh.principals()
+        return self._keys
+
+
+def _stamp(path: Path) -> tuple:
+    try:
+        info = path.stat()
+    except OSError:
+        return ()
+    return info.st_mtime_ns, info.st_size, info.st_ino
 
 
 def secret_path(config: KVTierConfig, port: int) -> Path:
@@ -40,24 +72,3 @@ def log_auth(keyring: KeyRing | None, host: str, port: int) -> None:
     else:
         log.info("authentication: CurveZMQ with the keys of %s, %d tenant(s)", keyring.creds.path,
                  len(keyring.creds.tenants))
-
-
-def pick_port(host: str, port: int) -> int:
-    """``port``, or for 0 a free one now (the secret file is named by port, and CurveZMQ keys must be set
-    before the socket binds)."""
-    if port:
-        return port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.bind((host if host not in ("*", "0.0.0.0") else "", 0))
-        return probe.getsockname()[1]
-
-
-def tenant_of(frame) -> tuple[bool, str | None]:
-    """(authenticated, tenant) of a received frame from its ZAP ``User-Id``; tenant None means full access."""
-    try:
-        user = frame.get("User-Id")
-    except (zmq.ZMQError, AttributeError, TypeError):
-        return False, None
-    if not user:
-        return False, None
-    return True, None if user == FULL_ACCESS else user

@@ -1,8 +1,4 @@
-"""Who may talk to a kvtier server: the secret file, the CurveZMQ keys derived from it, and tenants.
-
-Trust boundary: processes of other OS users on the host, and network peers when a port is bound beyond
-loopback, are outside it; processes of the server's own OS user are inside it (they can read its secret
-file, attach a debugger or kill it anyway).
+"""The secret file: a server's secret and its tenants', who reads which file, and writing them safely.
 
 The secret file (YAML or JSON, mode 0600, owned by the user reading it) holds::
 
@@ -16,23 +12,12 @@ A tenant's engines get a credential file of their own (``kvtier auth tenant``)::
     secret: <64 hex>            # team-a's secret
     server_key: <40 chars>      # the server's CurveZMQ public key (Z85), not a secret
 
-Keys: every secret derives one CurveZMQ keypair per role, ``HMAC-SHA256(secret, "kvtier-curve-v1:<role>")``
-as the Curve25519 secret key (role ``server`` for the server's own key, ``client`` for a client's). A
-client pins the server's public key, so a process squatting on the port cannot complete the handshake:
-it learns nothing (no model, no token ids) and cannot hand the client a shared-memory name. The
-server's ZAP handler (``kvtier.zap``) accepts only the client keys of its secret file and tells the
-server which tenant a connection belongs to. Transport: libzmq's CURVE mechanism (CurveZMQ, RFC 26),
-which also encrypts every frame.
-
 Default path: ``$XDG_RUNTIME_DIR/kvtier/server-<port>.secret`` (or ``~/.local/state/kvtier/...``), so a
 client of the same OS user on the same host finds the file from the server's URL alone.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import logging
 import os
 import re
 import secrets
@@ -41,12 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-import zmq
 from zmq.utils import z85
 
+from kvtier.auth.curve import curve_keypair
 from kvtier.errors import ConfigError
 
-log = logging.getLogger(__name__)
 ENV_SECRET_FILE = "KVTIER_AUTH_SECRET_FILE"
 FULL_ACCESS = "*"  # the ZAP User-Id of a client holding the server's own secret
 MIN_SECRET_CHARS = 32
@@ -78,46 +62,6 @@ class Credentials:
         for name, tenant_secret in self.tenants.items():
             out[z85.decode(curve_keypair(tenant_secret, "client")[0])] = name
         return out
-
-
-class KeyRing:
-    """The client keys a server accepts, re-read when its secret file changes, so ``kvtier auth tenant``
-    takes effect without a restart. A file that became unreadable keeps the last good keys (logged)."""
-
-    def __init__(self, creds: Credentials):
-        self.creds = creds
-        self._stamp = _stamp(creds.path)
-        self._keys = creds.principals()
-
-    def principals(self) -> dict[bytes, str]:
-        stamp = _stamp(self.creds.path)
-        if stamp != self._stamp:
-            self._stamp = stamp
-            try:
-                fresh = read_credentials(self.creds.path)
-            except ConfigError as exc:
-                log.warning("keeping the previous keys: %s", exc)
-                return self._keys
-            if fresh.secret != self.creds.secret:
-                log.warning("the secret in %s changed; the server keeps its old one until it restarts", fresh.path)
-                fresh = Credentials(fresh.path, self.creds.secret, None, None, fresh.tenants)
-            self.creds, self._keys = fresh, fresh.principals()
-        return self._keys
-
-
-def _stamp(path: Path) -> tuple:
-    try:
-        info = path.stat()
-    except OSError:
-        return ()
-    return info.st_mtime_ns, info.st_size, info.st_ino
-
-
-def curve_keypair(secret: str, role: str) -> tuple[bytes, bytes]:
-    """(public, secret) Z85 CurveZMQ keys that ``secret`` derives for ``role`` (``server`` or ``client``)."""
-    raw = hmac.new(secret.encode(), f"kvtier-curve-v1:{role}".encode(), hashlib.sha256).digest()
-    private = z85.encode(raw)
-    return zmq.curve_public(private), private
 
 
 def state_dir(environ=None) -> Path:
@@ -171,7 +115,7 @@ def read_credentials(path: str | os.PathLike) -> Credentials:
 
 def _parse(path: Path, data) -> Credentials:
     if not isinstance(data, dict) or not isinstance(data.get("secret"), str):
-        raise ConfigError(f"secret file {path} must be a mapping with a 'secret' string (see kvtier.auth)")
+        raise ConfigError(f"secret file {path} must be a mapping with a 'secret' string (see kvtier.auth.secret_file)")
     unknown = sorted(set(data) - {"secret", "tenants", "tenant", "server_key"})
     if unknown:
         raise ConfigError(f"secret file {path}: unknown keys {unknown}; valid: secret, tenants, tenant, server_key")
@@ -291,28 +235,3 @@ def client_credentials(url: str, secret_file: str | os.PathLike | None = None) -
         if not explicit and not path.exists():
             return None, path, ""
         return None, path, str(exc)
-
-
-def apply_client(sock: zmq.Socket, creds: Credentials) -> None:
-    """Make ``sock`` a CurveZMQ client of the server ``creds`` names (before ``connect``)."""
-    public, private = creds.client_keypair()
-    sock.curve_serverkey = creds.server_public_key()
-    sock.curve_publickey = public
-    sock.curve_secretkey = private
-
-
-def handshake_problem(event: int, value: int, url: str, creds: Credentials | None, path: Path | None) -> str:
-    """What a failed ZMTP handshake (a socket monitor event) means for a client, and what to do."""
-    where = f"secret file {path}" if path else "no secret file (the URL has no port to find one by)"
-    if creds is None:
-        return (f"{url} requires authentication and this client has none: looked for {where}; run the client as "
-                f"the server's OS user, or give the file (client secret_file=..., ${ENV_SECRET_FILE}, or the "
-                "vLLM connector key kvtier.auth_secret_file)")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"{url} refused this client's key from {where}: the secret is not one of the server's "
-                "(wrong file, or a tenant that was removed)")
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return (f"{url} does not use authentication (started with --no-auth?) but this client found {where}; "
-                "remove that stale file or start the server with authentication")
-    return (f"{url} failed the CurveZMQ handshake with the key from {where}: the server's secret differs (the "
-            "file is stale or belongs to another server), or it runs without authentication (--no-auth)")

@@ -26,6 +26,8 @@ hand-written ZMTP peer can hold back its READY until after the ZAP reply and so 
 choice; to abort the process it must also guess the 32-bit counter and make a second such connection
 trigger it. Over CURVE the same needs libzmq's I/O thread to stall for ``REPLY_DELAY_SECONDS`` between
 two statements, twice, plus the guess.
+
+The server reads a received frame's tenant back from its ``User-Id`` (``tenant_of``).
 """
 
 from __future__ import annotations
@@ -38,10 +40,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
-from kvtier.auth import KeyRing, curve_keypair
+from kvtier.auth.curve import curve_keypair
+from kvtier.auth.secret_file import FULL_ACCESS
+
+if TYPE_CHECKING:
+    from kvtier.auth.keyring import KeyRing
 
 log = logging.getLogger(__name__)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -138,7 +145,7 @@ class ZapHandler:
 
     def _decide(self, mechanism: str, credentials: list[bytes]) -> str | None:
         if self._principals is None:
-            return "*" if mechanism == "NULL" else None
+            return FULL_ACCESS if mechanism == "NULL" else None
         if mechanism != "CURVE" or len(credentials) != 1:
             return None
         return self._principals().get(credentials[0])
@@ -164,3 +171,14 @@ def router(ctx: zmq.Context, curve_keys: tuple[bytes, bytes] | None = None) -> z
         sock.curve_server = True
         sock.curve_publickey, sock.curve_secretkey = curve_keys
     return sock
+
+
+def tenant_of(frame) -> tuple[bool, str | None]:
+    """(authenticated, tenant) of a received frame from its ZAP ``User-Id``; tenant None means full access."""
+    try:
+        user = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return False, None
+    if not user:
+        return False, None
+    return True, None if user == FULL_ACCESS else user

@@ -4,7 +4,7 @@
 ``retrieve_chunks`` (zero-copy views over L1 slots) are built from the chunk-level primitives
 (``begin_store``/``commit_store``, ``begin_retrieve``/``end_retrieve``) that the server also uses to let
 clients copy through shared memory; ``store`` and ``retrieve`` (whole tensors) wrap them. The tiers a cache
-works over are ``kvtier.tiers.Tiers``; the refs and tickets it hands out are in ``kvtier.tickets``.
+works over are ``kvtier.cache.tiers.Tiers``; the refs and tickets it hands out are in ``kvtier.cache.tickets``.
 """
 
 from __future__ import annotations
@@ -16,19 +16,16 @@ import numpy as np
 import xxhash
 
 from kvtier.backend import Fill, Retrieved, TierHits
+from kvtier.cache.tickets import ChunkRef, L1Slot, PromptBlocks, RetrieveTicket, StoreTicket
+from kvtier.cache.tiers import Tiers
 from kvtier.config import KVTierConfig
 from kvtier.errors import InputError
+from kvtier.extra_keys import check_extra_keys, num_blocks_of
 from kvtier.hashing import as_token_array, prefix_hashes
-from kvtier.identity import check_extra_keys, num_blocks_of
 from kvtier.keys import ChunkKey, chunk_layout_id
 from kvtier.l2.tier import WriteItem
 from kvtier.layout import KVLayout
 from kvtier.tensors import as_numpy, chunk_view, copy_from, join_chunks
-from kvtier.tickets import ChunkRef, PromptBlocks, RetrieveTicket, Slot, StoreTicket
-from kvtier.tiers import Tiers
-
-# re-exported: ``from kvtier.cache import KVCache, Tiers, ChunkRef, ...`` keeps working
-__all__ = ["ChunkRef", "KVCache", "PromptBlocks", "RetrieveTicket", "Slot", "StoreTicket", "Tiers"]
 
 
 class KVCache:
@@ -44,7 +41,7 @@ class KVCache:
 
     Every method that takes tokens also takes ``extra_keys``: None, or one entry per block of ``block_size``
     tokens (a trailing partial block included), each None or a tuple of the engine's extra keys for that block
-    (``identity.block_extra_keys``; vLLM's ``generate_block_hash_extra_keys``). They enter the hashes, so a
+    (``extra_keys.block_extra_keys``; vLLM's ``generate_block_hash_extra_keys``). They enter the hashes, so a
     LoRA, salted or multimodal request never shares chunks with another. Bad ones raise InputError.
     """
 
@@ -157,7 +154,7 @@ class KVCache:
                 if self.l1.contains(ref.key):  # stored meanwhile by another writer
                     continue
                 break
-            ticket.slots.append(Slot(ref, self.l1.offset(ref.key), nbytes, view))
+            ticket.slots.append(L1Slot(ref, self.l1.offset(ref.key), nbytes, view))
         return ticket
 
     def commit_store(self, ticket: StoreTicket, ok: bool = True) -> int:
@@ -284,7 +281,7 @@ class KVCache:
                 ticket.slots.clear()
                 continue
             view, _, offset = got
-            ticket.slots.append(Slot(ref, offset, view.nbytes, view))
+            ticket.slots.append(L1Slot(ref, offset, view.nbytes, view))
         ticket.slots.reverse()
         self.metrics.inc("kvtier_retrieve_chunks_total", len(ticket.slots))
         return ticket
@@ -390,9 +387,9 @@ class KVCache:
         self.close()
 
 
-def _runs(slots: list[Slot]) -> list[list[Slot]]:
+def _runs(slots: list[L1Slot]) -> list[list[L1Slot]]:
     """Split slots into runs of consecutive chunk indexes."""
-    runs: list[list[Slot]] = []
+    runs: list[list[L1Slot]] = []
     for slot in slots:
         if runs and runs[-1][-1].ref.index + 1 == slot.ref.index:
             runs[-1].append(slot)

@@ -1,9 +1,9 @@
 """Chunk refs and tickets: what ``KVCache`` hands out for one prompt.
 
 ``PromptBlocks`` and ``ChunkRef`` name a prompt's chunks (keys, token ranges, the block digests events are made
-of); ``Slot`` is an L1 slot handed out for copying; ``StoreTicket`` / ``RetrieveTicket`` hold the slots reserved by
-``KVCache.begin_store`` or pinned by ``KVCache.begin_retrieve`` until ``commit_store`` / ``end_retrieve``. Plain
-data: no locks, no tier access.
+of); ``L1Slot`` is an L1 slot handed out for copying (the wire protocol's ``Slot`` names one by offset);
+``StoreTicket`` / ``RetrieveTicket`` hold the slots reserved by ``KVCache.begin_store`` or pinned by
+``KVCache.begin_retrieve`` until ``commit_store`` / ``end_retrieve``. Plain data: no locks, no tier access.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class ChunkRef:
 
 
 @dataclass(slots=True)
-class Slot:
+class L1Slot:
     """An L1 slot handed out for copying: chunk ref, arena offset, size in bytes and a view on it."""
 
     ref: ChunkRef
@@ -55,7 +55,7 @@ class StoreTicket:
 
     tokens: np.ndarray
     refs: list[ChunkRef]
-    slots: list[Slot] = field(default_factory=list)
+    slots: list[L1Slot] = field(default_factory=list)
     limited: bool = False
     # told, from the L2 writer's thread, how many committed chunks will not reach L2 (dropped, failed): flush()
     on_lost: Callable[[int], None] | None = None
@@ -69,7 +69,7 @@ class StoreTicket:
 class RetrieveTicket:
     """Pinned slots of the leading available chunks; ``num_tokens`` tokens in all."""
 
-    slots: list[Slot] = field(default_factory=list)
+    slots: list[L1Slot] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

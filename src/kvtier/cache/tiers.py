@@ -1,18 +1,18 @@
 """Tiers: what one process shares between its caches (L1, the L2 cascade, metrics, the event emitter).
 
-A server makes one ``Tiers`` and a ``KVCache`` (``kvtier.cache``) per (model, KV layout) over it; an in-process
+A server makes one ``Tiers`` and a ``KVCache`` (``kvtier.cache.cache``) per (model, KV layout) over it; an in-process
 ``KVCache`` makes its own. L1 (``L1Store``) and ``L2Tier`` are thread-safe; ``Tiers`` adds no lock of its own.
 """
 
 from __future__ import annotations
 
+from kvtier.cache.memo import LookupMemo
 from kvtier.config import KVTierConfig
 from kvtier.errors import InputError, KVTierError
 from kvtier.keys import ChunkKey
 from kvtier.l1.store import L1Store
 from kvtier.l2 import create_adapter
 from kvtier.l2.tier import L2Tier
-from kvtier.memo import LookupMemo
 from kvtier.metrics import Metrics
 
 

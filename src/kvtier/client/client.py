@@ -22,9 +22,9 @@ import numpy as np
 import zmq
 
 from kvtier import protocol as P
+from kvtier.auth.client import ClientAuth
 from kvtier.backend import Fill, Retrieved, TierHits
 from kvtier.client import dataplane as D
-from kvtier.client.auth import ClientAuth
 from kvtier.client.transport import Transport
 from kvtier.errors import InputError, ProtocolError
 from kvtier.hashing import as_token_array

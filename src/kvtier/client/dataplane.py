@@ -19,8 +19,6 @@ import ctypes
 import logging
 import mmap
 import os
-import socket
-from pathlib import Path
 
 import numpy as np
 
@@ -32,15 +30,6 @@ from kvtier.shm import check_range, shm_path
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14, include/uapi/asm-generic/mman-common.h
 POPULATE_BYTES = 2 << 20  # granule of SharedMapping.populate: one huge page, a few chunks of KV
 log = logging.getLogger(__name__)
-
-
-def host_id() -> str:
-    """This machine as the server compares it: hostname plus kernel boot id (same /dev/shm, same kernel)."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
 
 
 class SharedMapping:

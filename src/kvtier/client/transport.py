@@ -26,9 +26,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvtier import protocol as P
+from kvtier.auth.client import FAILED_EVENTS
 from kvtier.client import dataplane as D
-from kvtier.client.auth import FAILED_EVENTS
 from kvtier.errors import ProtocolError
+from kvtier.proc import host_id
 
 log = logging.getLogger(__name__)
 _UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -104,7 +105,7 @@ class Transport:
     def _handshake(self, raise_refusal: bool = False) -> bool:
         hello = P.Hello(id=next(self._ids), version=P.PROTOCOL_VERSION, model=self.model,
                         layout=self.layout.to_dict(), layout_id=self.layout.layout_id, namespace=self.namespace,
-                        host_id=D.host_id(), pid=os.getpid(), want_shm=self.shared_memory, expect=self.expect)
+                        host_id=host_id(), pid=os.getpid(), want_shm=self.shared_memory, expect=self.expect)
         reply, _ = self._roundtrip(hello, ())
         if reply is None:
             return False

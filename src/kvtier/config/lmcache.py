@@ -1,4 +1,4 @@
-"""LMCache-style configuration files, read by ``kvtier.config.load_config``.
+"""LMCache-style configuration files, read by ``kvtier.config.load.load_config``.
 
 LMCache's keys (``local_cpu``, ``max_local_cpu_size``, ``local_disk``, ...; sizes in GB) are translated into
 kvtier's; its remote backend keys are refused with the L2 adapter to configure instead (docs/configuration.md,
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import urllib.parse
 
-from kvtier.config import parse_bool, parse_size
 from kvtier.errors import ConfigError
+from kvtier.units import parse_bool, parse_size
 
 # LMCache YAML key -> how to translate it (LMCache sizes are GB).
 _LMCACHE_KEYS = {"local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",

@@ -1,75 +1,23 @@
-"""One configuration tree for kvtier.
+"""The configuration tree: ``KVTierConfig`` and its sections (pydantic models; unknown and renamed keys refused).
 
-Sources, in increasing priority: a YAML file (``KVTIER_CONFIG_FILE`` or ``--config``), ``KVTIER_*``
-environment variables (nested keys joined by ``__``: ``KVTIER_KV_EVENTS__ENDPOINT``), then explicit
-overrides (CLI flags). An LMCache-style YAML file (``chunk_size``, ``local_cpu``, ``max_local_cpu_size``,
-``local_disk``, ...) is recognised and translated. Sizes go through ``parse_size``; booleans through
-``parse_bool``; every error names the key and the nearest valid key.
+Sizes go through ``kvtier.units.parse_size`` (``SizeGB``, ``SizeBytes``), booleans through ``parse_bool``
+(``Bool``); the L2 adapters' configs reuse those types and ``StrictModel``. Where values come from (file,
+environment, flags) is ``kvtier.config.load``.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
-import re
-from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
-import yaml
 from pydantic import BeforeValidator, Field
 
 from kvtier.errors import ConfigError
 from kvtier.hashing import ALGORITHMS, DEFAULT_ALGORITHM, DEFAULT_SEED
+from kvtier.units import GB, parse_bool, parse_size
 
-_UNITS = {"": None, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_SIZE_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*)\s*$")
 EVICTION_POLICIES = ("LRU", "ARC", "S3FIFO")
 EVENT_ENCODINGS = ("vllm", "vllm-legacy", "sglang")
-
-
-def parse_size(value: Any, default_unit: str = "GB") -> float:
-    """Parse a size into a number of ``default_unit`` (GB by default).
-
-    ``"5GB"``, ``"512MiB"``, ``"100B"``, ``"1.5"`` (bare: ``default_unit``), ``2`` (number: ``default_unit``).
-    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
-
-    Raises:
-        ConfigError: negative, unparsable, or an unknown unit (valid units listed).
-    """
-    per_unit = _UNITS[default_unit.lower()]
-    if isinstance(value, bool):
-        raise ConfigError(f"size must be a number or a string like '5GB', got {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), None
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if not m:
-            raise ConfigError(f"cannot parse size {value!r}; write e.g. '5GB', '512MiB' or '1.5' (GB)")
-        number, suffix = float(m.group(1)), m.group(2).lower()
-        if suffix not in _UNITS:
-            raise ConfigError(f"unknown size unit {m.group(2)!r} in {value!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
-        unit = _UNITS[suffix]
-    else:
-        raise ConfigError(f"size must be a number or a string like '5GB', got {type(value).__name__}")
-    if number < 0:
-        raise ConfigError(f"size must not be negative, got {value!r}")
-    return number if unit is None else number * unit / per_unit
-
-
-def parse_bool(value: Any) -> bool:
-    """``true/1/yes/on`` and ``false/0/no/off`` (any case), or a real bool. Raises ConfigError otherwise."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on", "y"):
-        return True
-    if text in ("false", "0", "no", "off", "n", ""):
-        return False
-    raise ConfigError(f"cannot read {value!r} as a boolean; use true/false, 1/0, yes/no or on/off")
 
 
 def _as_value_error(fn):
@@ -250,145 +198,9 @@ class KVTierConfig(_Section):
 
     @property
     def l1_size_bytes(self) -> int:
-        return int(self.l1_size_gb * 10**9)
+        return int(self.l1_size_gb * GB)
 
     @property
     def effective_block_size(self) -> int:
         """Tokens per hashed block: ``block_size``, or ``chunk_size`` when it is None."""
         return self.block_size or self.chunk_size
-
-
-# KVTIER_* variables that are not configuration keys (tooling, tests, the model cache).
-NON_CONFIG_ENV = {"KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN", "KVTIER_AUTH_SECRET_FILE", "KVTIER_MODEL_CACHE", "KVTIER_SERVICES_DIR",
-                  "KVTIER_AZURITE_BLOB", "KVTIER_VENV", "KVTIER_PYTHON", "KVTIER_FUZZ_MESSAGES"}
-
-
-def _env_value(name: str, value: str) -> Any:
-    """A variable's value: JSON/YAML when it starts with ``[`` or ``{`` (a list or mapping), else the text."""
-    if not value.strip().startswith(("[", "{")):
-        return value
-    try:
-        return yaml.safe_load(value)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at column {where.column + 1}" if where is not None else ""
-        raise ConfigError(f"environment variable {name} is not valid JSON/YAML{at}: "
-                          f"{getattr(exc, 'problem', None) or exc}; fix or unset it") from None
-
-
-def _env_overrides(environ: dict[str, str]) -> dict:
-    out: dict = {}
-    for name, value in environ.items():
-        if not name.startswith("KVTIER_") or name in NON_CONFIG_ENV:
-            continue
-        path = name[len("KVTIER_"):].lower().split("__")
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = _env_value(name, value)
-    if environ.get("KVTIER_ADMIN_TOKEN"):
-        out.setdefault("server", {})["admin_token"] = environ["KVTIER_ADMIN_TOKEN"]
-    if environ.get("KVTIER_AUTH_SECRET_FILE"):  # the same variable clients read
-        out.setdefault("server", {})["auth_secret_file"] = environ["KVTIER_AUTH_SECRET_FILE"]
-    return out
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and key in out and (not value or not isinstance(out[key], dict)):
-            # flags of a section that the file gives as something else (``server: 5``): keep the file's value, so
-            # that build_config refuses it rather than the section silently taking defaults
-            continue
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def _nearest(key: str, model: type[pydantic.BaseModel]) -> str:
-    near = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.5)
-    return f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(model.model_fields)}"
-
-
-def _section_of(loc: tuple) -> type[pydantic.BaseModel]:
-    model: type[pydantic.BaseModel] = KVTierConfig
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
-            model = ann
-    return model
-
-
-# removed key path -> what to use instead
-_REMOVED = {("kv_events", "event_block_size"): "events are published per engine block of the top-level "
-            "'block_size' (flag --block-size, variable KVTIER_BLOCK_SIZE); set that to the engine's block size",
-            ("l2_promote",): "L2 hits are always copied into L1; remove the key (l2_promote_to_faster_l2 "
-            "also copies them into faster L2 adapters)"}
-
-
-def build_config(data: dict) -> KVTierConfig:
-    """Validate a plain dict (already merged from every source) into a KVTierConfig.
-
-    Raises:
-        ConfigError: naming the offending key, what was wrong, and the nearest valid key.
-    """
-    for path, instead in _REMOVED.items():
-        node = data
-        for part in path[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and path[-1] in node:
-            raise ConfigError(f"invalid configuration: key '{'.'.join(path)}' was removed: {instead}")
-    try:
-        return KVTierConfig(**data)
-    except pydantic.ValidationError as exc:
-        msgs = []
-        for err in exc.errors():
-            loc = tuple(err["loc"])
-            key = ".".join(str(p) for p in loc)
-            if err["type"] == "extra_forbidden":
-                msgs.append(f"unknown key {key!r}{_nearest(str(loc[-1]), _section_of(loc))}")
-            else:
-                cause = err.get("ctx", {}).get("error")  # kvtier's own validators already quote the value
-                if not key:  # a check across keys (block_size vs chunk_size): its message names them
-                    msgs.append(str(cause or err["msg"]))
-                elif isinstance(cause, RenamedKeyError):  # raised by the section, so loc is the section
-                    msgs.append(f"in section {key!r}: {cause}")
-                else:
-                    msgs.append(f"key {key!r}: {cause}" if cause else f"key {key!r}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None,
-                environ: dict[str, str] | None = None) -> KVTierConfig:
-    """Load the configuration: YAML file < ``KVTIER_*`` environment < ``overrides`` (CLI flags).
-
-    Args:
-        path: YAML file; defaults to ``$KVTIER_CONFIG_FILE`` when set. kvtier or LMCache keys.
-        overrides: explicit values (flags); ``None`` values are ignored.
-        environ: environment to read (default ``os.environ``).
-
-    Raises:
-        ConfigError: unreadable file, unknown key, wrong type or bad value.
-    """
-    from kvtier.lmcache_config import from_lmcache  # it imports parse_size / parse_bool from this module
-
-    environ = dict(os.environ if environ is None else environ)
-    path = path or environ.get("KVTIER_CONFIG_FILE")
-    data: dict = {}
-    if path:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-        data = from_lmcache(data)
-    data = _merge(data, _env_overrides(environ))
-    data = _merge(data, _drop_none(overrides or {}))
-    return build_config(data)
-
-
-def _drop_none(d: dict) -> dict:
-    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

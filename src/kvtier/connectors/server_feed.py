@@ -56,12 +56,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvtier.auth import secret_file_for
+from kvtier.auth.secret_file import secret_file_for
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvtier.events.subscriber import Subscriber
 
 log = logging.getLogger("vllm.kvtier_connector")
-MEDIUMS = ("CPU", "STORAGE")
+SERVER_MEDIUMS = ("CPU", "STORAGE")  # the mediums a kvtier server holds blocks in (L1, L2)
 FIRST_RESYNC_GAP_SECONDS = 0.5  # before the engine's first step: the second resync, then doubling ...
 MAX_RESYNC_SECONDS = 30.0  # ... up to this gap between resyncs
 _WILDCARD = re.compile(r"^tcp://(\*|0\.0\.0\.0|\[::\]|::):")
@@ -81,7 +81,7 @@ class BlockMirror:
     Not thread-safe: ``ServerFeed`` serialises the calls.
     """
 
-    def __init__(self, block_size: int, mediums=MEDIUMS) -> None:
+    def __init__(self, block_size: int, mediums=SERVER_MEDIUMS) -> None:
         self.block_size = block_size
         self.mediums = tuple(mediums)
         self.blocks: dict[str, dict[int, _Block]] = {m: {} for m in self.mediums}
@@ -345,7 +345,7 @@ def _scheduler_publisher(connector):
 
     vLLM (0.31, 0.32) hands a connector no reference to its scheduler or publisher, and has no hook for either;
     the scheduler is the object whose ``connector`` attribute is this connector (found through the garbage
-    collector's referrers). ``tests/integration/test_vllm_feed.py`` fails if an installed vLLM breaks this.
+    collector's referrers). ``tests/integration/vllm/test_vllm_feed.py`` fails if an installed vLLM breaks this.
     """
     for ref in gc.get_referrers(connector):
         owners = [ref] if not isinstance(ref, dict) else [o for o in gc.get_referrers(ref)

@@ -37,7 +37,7 @@ from kvtier.connectors.vllm_identity import VLLMIdentity
 from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, LoadOp, SaveOp, SchedulerSide  # noqa: F401
 from kvtier.connectors.vllm_worker import WorkerSide, to_vllm_events
 from kvtier.errors import ConfigError, CorruptRecordError, ProtocolError, StorageError
-from kvtier.identity import num_blocks_of
+from kvtier.extra_keys import num_blocks_of
 from kvtier.metrics import Metrics
 
 # a child of vLLM's "vllm" logger, so these lines appear in vLLM's own log with its format and level

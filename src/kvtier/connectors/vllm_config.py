@@ -14,9 +14,10 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import ConnectorConfig, KVTierConfig, load_config, parse_bool
+from kvtier.config import ConnectorConfig, KVTierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
+from kvtier.units import parse_bool
 
 PREFIX = "kvtier."
 # taken from vLLM's engine config (``--block-size``, ``--prefix-caching-hash-algo``, PYTHONHASHSEED)

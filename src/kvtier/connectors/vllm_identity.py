@@ -19,7 +19,8 @@ import os
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 
-from kvtier.identity import lora_identity, model_identity, num_blocks_of
+from kvtier.extra_keys import num_blocks_of
+from kvtier.identity import lora_identity, model_identity
 from kvtier.keys import namespace_of
 
 logger = logging.getLogger("vllm.kvtier_connector")

@@ -19,8 +19,8 @@ import time
 from collections import Counter
 
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+from kvtier.extra_keys import event_extra_keys, lora_name_of
 from kvtier.hashing import event_id
-from kvtier.identity import event_extra_keys, lora_name_of
 from kvtier.keys import parse_name
 
 MEDIUMS = ("GPU", "CPU", "STORAGE")
@@ -63,7 +63,7 @@ class EventEmitter:
 
         Args:
             tokens: the prompt's token ids (1-D numpy int array or list), at least up to the last ref's end.
-            refs: ``tickets.ChunkRef``s in chunk order (key, index, token range and the prompt's ``PromptBlocks``).
+            refs: ``kvtier.cache.ChunkRef``s in chunk order (key, index, token range and the prompt's ``PromptBlocks``).
             medium: ``"CPU"`` (L1), ``"STORAGE"`` (L2) or ``"GPU"``.
 
         Returns:

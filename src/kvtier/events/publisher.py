@@ -4,7 +4,7 @@ Wire (reference events-and-hashing.md §1.1): PUB frames ``[topic, seq (8-byte b
 msgpack EventBatch]``. Replay: a ROUTER on ``replay_endpoint`` answers ``[identity, b"", start_seq (8 bytes)]``
 with ``[identity, b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``, then the end
 marker ``[identity, b"", b"", 0xFF*8, b""]`` (vLLM >= 0.26 layout). The replay ROUTER is guarded
-(``kvtier.zap``): a ZAP handler assigns every consumer's routing id, so no consumer can choose one that
+(``kvtier.auth.zap``): a ZAP handler assigns every consumer's routing id, so no consumer can choose one that
 aborts the process; inside a server with authentication and ``replay_auth`` it also requires the
 server's CurveZMQ keys (a consumer then needs the secret file, ``kvtier events subscribe --auth-secret-file``).
 
@@ -31,9 +31,9 @@ import time
 
 import zmq
 
+from kvtier.auth.zap import guarded_router
 from kvtier.errors import KVTierError
 from kvtier.events.model import Encoder, Event, EventBatch
-from kvtier.zap import guarded_router
 
 log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8

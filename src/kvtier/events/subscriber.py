@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvtier.auth import apply_client, read_credentials
+from kvtier.auth.curve import apply_client
+from kvtier.auth.secret_file import read_credentials
 from kvtier.errors import KVTierError
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, EventBatch, decode_batch
 from kvtier.events.publisher import END_SEQ

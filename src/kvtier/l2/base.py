@@ -38,7 +38,7 @@ class Usage:
 
 
 class L2Adapter(ABC):
-    """Contract every L2 adapter implements (see tests/contract/).
+    """Contract every L2 adapter implements (see tests/contract/l2/).
 
     Rules:
       * ``put`` makes a record visible only once it is complete (temp name + fsync + rename, or one

@@ -80,16 +80,6 @@ def remove(path: str) -> None:
         pass
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def tighten(path: str, mode: int, want: int) -> bool | None:
     """Make ``path`` (current ``st_mode`` ``mode``) private: drop group/other bits to ``want``. Returns None
     when it already was, True when tightened, False when it could not be (not ours, read-only)."""

@@ -42,6 +42,8 @@ from kvtier.config import Bool, SizeGB
 from kvtier.errors import ConfigError, InputError, StorageError
 from kvtier.l2 import fileio
 from kvtier.l2.base import AdapterConfig, Buffer, L2Adapter, Usage
+from kvtier.proc import pid_alive
+from kvtier.units import GB
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class LocalDiskConfig(AdapterConfig):
 
     @property
     def capacity_bytes(self) -> int | None:
-        return None if self.size_gb is None else round(self.size_gb * 10**9)
+        return None if self.size_gb is None else round(self.size_gb * GB)
 
 
 class LocalDiskAdapter(L2Adapter):
@@ -402,7 +404,7 @@ class LocalDiskAdapter(L2Adapter):
             return False
         if age > _STALE_TEMP_SECONDS:
             return True
-        return m.group(2) == self._host and not fileio.pid_alive(int(m.group(3)))
+        return m.group(2) == self._host and not pid_alive(int(m.group(3)))
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _path(self, name: str) -> str:

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from kvtier.config import SizeGB
 from kvtier.l2.base import AdapterConfig, Buffer, L2Adapter, Usage
+from kvtier.units import GB
 
 
 class MemoryConfig(AdapterConfig):
@@ -26,7 +27,7 @@ class MemoryConfig(AdapterConfig):
 
     @property
     def capacity_bytes(self) -> int | None:
-        return None if self.size_gb is None else round(self.size_gb * 10**9)
+        return None if self.size_gb is None else round(self.size_gb * GB)
 
 
 class _Store:

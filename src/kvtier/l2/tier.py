@@ -62,7 +62,7 @@ class _WriteBatch:
     tokens: object  # the prompt's token ids (numpy int64), for events
     items: list[WriteItem]
     release: Callable[[ChunkKey], None]
-    event_refs: list | None  # the items' ChunkRefs (tickets.ChunkRef), for events
+    event_refs: list | None  # the items' ChunkRefs (kvtier.cache.ChunkRef), for events
     lost: Callable[[int], None] | None = None  # told how many items were not written
 
 
@@ -214,7 +214,7 @@ class L2Tier:
                     event_refs: list | None = None, lost: Callable[[int], None] | None = None) -> int:
         """Queue ``items`` (consecutive chunks of the prompt ``tokens``) for write-through to every adapter.
 
-        ``event_refs``: the items' ``tickets.ChunkRef``s, one per item, so the written chunks are announced
+        ``event_refs``: the items' ``kvtier.cache.ChunkRef``s, one per item, so the written chunks are announced
         (BlockStored, medium ``STORAGE``).
 
         Items that do not fit in the queue are dropped (``kvtier_l2_write_dropped_total``) and

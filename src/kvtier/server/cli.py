@@ -107,8 +107,8 @@ def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chun
 
 def run(config, log_level: str = "INFO") -> None:
     """Start the server and admin HTTP, serve until SIGINT/SIGTERM, then shut down cleanly."""
+    from kvtier.auth.keyring import log_auth
     from kvtier.server.admin import AdminHTTP
-    from kvtier.server.auth import log_auth
     from kvtier.server.server import KVTierServer
     from kvtier.server.telemetry import Telemetry
 
@@ -181,7 +181,7 @@ def tenant(name: str, port: int, secret_file: str | None, out: str) -> None:
     """
     from pathlib import Path
 
-    from kvtier.auth import add_tenant, check_writable, default_secret_file, tenant_credentials, write_private
+    from kvtier.auth.secret_file import add_tenant, check_writable, default_secret_file, tenant_credentials, write_private
 
     path = Path(secret_file) if secret_file else default_secret_file(port)
     check_writable(Path(out))  # before the tenant is added: a failed run leaves the secret file as it was

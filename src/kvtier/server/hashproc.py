@@ -8,8 +8,8 @@ every short request waited for it; here the server's worker thread only waits on
 Wire format (stdin / stdout of the child, nothing pickled): each message is a 4-byte little-endian length and a
 msgspec MessagePack body: ``HashJob`` to the child, ``HashDone`` or ``HashFailed`` back, one reply per job, in
 order. ``HashJob.tokens`` is the prompt as int64 little-endian bytes; ``extra_keys`` were checked by the server
-(``identity.check_extra_keys``); MessagePack turns their tuples into lists and shared keys into copies; the child rebuilds
-that form (``identity.refreeze_extra_keys``: pickle-based hashes depend on both).
+(``extra_keys.check_extra_keys``); MessagePack turns their tuples into lists and shared keys into copies; the child rebuilds
+that form (``extra_keys.refreeze_extra_keys``: pickle-based hashes depend on both).
 
 Life cycle: started by the first ``prefix_hashes`` call; the child exits when its stdin closes (the server
 stopped or died). A child that dies, answers garbage or does not answer within ``reply_timeout_seconds`` (stopped,
@@ -32,8 +32,8 @@ import msgspec
 import numpy as np
 
 from kvtier.errors import InputError
+from kvtier.extra_keys import refreeze_extra_keys
 from kvtier.hashing import prefix_hashes
-from kvtier.identity import refreeze_extra_keys
 
 log = logging.getLogger(__name__)
 HASH_NICENESS = 10
@@ -133,7 +133,7 @@ class HashProcess:
     def prefix_hashes(self, tokens: np.ndarray, block_size: int, algorithm: str, seed: str, extra_keys=None, *,
                       include_partial: bool = False) -> list[bytes]:
         """``hashing.prefix_hashes`` computed by the child; ``tokens`` is an int64 array, ``extra_keys`` as checked
-        by ``identity.check_extra_keys``. Raises InputError as ``prefix_hashes`` does, HashProcessError when the
+        by ``extra_keys.check_extra_keys``. Raises InputError as ``prefix_hashes`` does, HashProcessError when the
         child is not available (the caller hashes in process)."""
         proc = self._running()
         job = HashJob(np.ascontiguousarray(tokens, "<i8").tobytes(), block_size, algorithm, seed,

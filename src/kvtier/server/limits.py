@@ -28,28 +28,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvtier.config import ServerConfig
+from kvtier.proc import pid_start_time
 
 log = logging.getLogger(__name__)
 SWEEP_SECONDS = 1.0  # how often quarantined slots of dead processes are looked for
 LOG_EVERY_SECONDS = 10.0  # lease-expiry warnings: at most one line per this interval
-
-
-def pid_start_time(pid: int) -> int | None:
-    """Start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22); None when there
-    is no such process visible here. With the pid it names one process, even after the pid is reused."""
-    if pid <= 0:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces and parentheses: count fields after the last ')'
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ import logging
 import time
 
 from kvtier import protocol as P
-from kvtier.tiers import Tiers
+from kvtier.cache import Tiers
 from kvtier.l2.index import PROBE_NAMES
 from kvtier.metrics import Metrics
 from kvtier.server.promote import Job, Promoter

@@ -19,7 +19,7 @@ import socket
 
 import zmq
 
-from kvtier.server.auth import tenant_of
+from kvtier.auth.zap import tenant_of
 from kvtier.server.limits import ClientLimits, ClientUsage
 
 OWN_KEY = "key:server"  # the principal of clients holding the server's own secret

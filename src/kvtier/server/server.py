@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -30,17 +31,18 @@ import msgspec
 import zmq
 
 from kvtier import protocol as P
-from kvtier.cache import KVCache
-from kvtier.client.dataplane import host_id
+from kvtier.auth.keyring import server_keyring
+from kvtier.auth.zap import guarded_router
+from kvtier.cache import KVCache, Tiers
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
-from kvtier.server.auth import pick_port, server_keyring
+from kvtier.proc import host_id, pid_start_time
 from kvtier.server.dataops import DataOps
 from kvtier.server.lookup import LookupProber
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
-from kvtier.server.limits import ClientLimits, ExpiryLog, Quarantine, pid_start_time
+from kvtier.server.limits import ClientLimits, ExpiryLog, Quarantine
 from kvtier.server.principals import Principals, principal_of
 from kvtier.server.session import (
     HandshakeRefused,
@@ -51,15 +53,23 @@ from kvtier.server.session import (
     handshake_values,
     scoped_namespace,
 )
-from kvtier.server.shm import hold_lock, reap_stale_shm
 from kvtier.server.turns import MAX_QUEUED, NEW_CONNECTIONS, Turns
-from kvtier.tiers import Tiers
-from kvtier.zap import guarded_router
+from kvtier.shm import hold_lock, reap_stale_shm
 
 log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
 SWITCH_INTERVAL_SECONDS = 0.0005
 IDLE_SCAN_SECONDS = 1.0  # idle sessions are looked for this often (each scan visits every session)
+
+
+def pick_port(host: str, port: int) -> int:
+    """``port``, or for 0 a free one now (the secret file is named by port, and CurveZMQ keys must be set
+    before the socket binds)."""
+    if port:
+        return port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host if host not in ("*", "0.0.0.0") else "", 0))
+        return probe.getsockname()[1]
 
 
 class KVTierServer(DataOps):

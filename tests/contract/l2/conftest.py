@@ -4,7 +4,7 @@
 ``factory(tmp_path, capacity_bytes=None, **fixtures)`` returns a new adapter over the storage
 that belongs to ``tmp_path``: a second call reaches the same records (that is how the suite
 tests recovery after a restart). Factories that need servers live in
-``tests/contract/remote_factories.py``; when that file exists its ``FACTORIES`` dict is merged in.
+``tests/contract/l2/remote_factories.py``; when that file exists its ``FACTORIES`` dict is merged in.
 A factory names the pytest fixtures it needs (``fixtures``); they are passed as keyword arguments.
 """
 

@@ -1,6 +1,6 @@
 """Contract-suite factories for the network adapters, each over a real server on 127.0.0.1.
 
-Merged into ``ADAPTER_FACTORIES`` by ``tests/contract/conftest.py`` (it reads ``FACTORIES``). Each server
+Merged into ``ADAPTER_FACTORIES`` by ``tests/contract/l2/conftest.py`` (it reads ``FACTORIES``). Each server
 starts once per test session, on first use, and is stopped (by pid) when the session's process exits.
 Every test gets its own key prefix derived from its ``tmp_path``, so a second adapter made in the same
 test sees the first one's records and no test sees another's.

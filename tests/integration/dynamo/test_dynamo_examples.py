@@ -19,22 +19,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.service_proc import free_port  # noqa: E402
-from harness.vllm import document_tokens, model_dir, require_vllm  # noqa: E402
-from support.server import metric_value  # noqa: E402
-from support.dynamo_procs import DYNAMO_PYTHON, MODEL_NAME, Deployment, RouterProbe, require_dynamo  # noqa: E402
+from harness.service_proc import free_port
+from harness.vllm import document_tokens, model_dir, require_vllm
+from support.server import metric_value
+from support.dynamo_procs import DYNAMO_PYTHON, MODEL_NAME, Deployment, RouterProbe, require_dynamo
 
 pytestmark = pytest.mark.model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "examples" / "dynamo"
 BLOCK = 128  # vLLM CPU's block size (the scripts' BLOCK_SIZE)
 CHUNK = 256  # the scripts' CHUNK_SIZE

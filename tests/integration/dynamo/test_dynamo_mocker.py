@@ -17,18 +17,14 @@ name the worker that served them. Nothing depends on hash values: Dynamo re-hash
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+from support.dynamo_procs import MODEL_NAME, Deployment, RouterProbe, start_kvtier_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ holds the support package
-from support.dynamo_procs import MODEL_NAME, Deployment, RouterProbe, start_kvtier_server  # noqa: E402
-
-from kvtier.client import Client  # noqa: E402
+from kvtier.client import Client
 
 BLOCK = 16  # the mocker's block size, and the kvtier server's block size
 CHUNK = 256

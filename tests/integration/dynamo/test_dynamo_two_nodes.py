@@ -17,17 +17,14 @@ the frontend, pinned to a worker with ``nvext.backend_instance_id`` where the sc
 from __future__ import annotations
 
 import random
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.dynamo_deploy import VLLM_BLOCK_TOKENS as BLOCK  # noqa: E402
-from harness.dynamo_deploy import TwoNodes  # noqa: E402
-from support.dynamo_procs import RouterProbe, require_dynamo  # noqa: E402
-from support.server import wait_for  # noqa: E402
+from harness.dynamo_deploy import VLLM_BLOCK_TOKENS as BLOCK
+from harness.dynamo_deploy import TwoNodes
+from support.dynamo_procs import RouterProbe, require_dynamo
+from support.server import wait_for
 
 pytestmark = pytest.mark.model
 

@@ -8,20 +8,16 @@ restarted is followed (removals for what it lost, never stale credit).
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from support.server import LAYOUT, ServerProc, free_port, wait_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from support.server import LAYOUT, ServerProc, free_port, wait_for  # noqa: E402
-
-from kvtier.auth import secret_file_for  # noqa: E402
-from kvtier.client import Client  # noqa: E402
-from kvtier.config import KVEventsConfig  # noqa: E402
-from kvtier.connectors.server_feed import ServerFeed  # noqa: E402
-from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher  # noqa: E402
+from kvtier.auth.secret_file import secret_file_for
+from kvtier.client import Client
+from kvtier.config import KVEventsConfig
+from kvtier.connectors.server_feed import ServerFeed
+from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher
 
 BLOCK = 8  # the engine's block size here: two blocks per 16-token chunk
 TOKEN = "feed-admin-token"

@@ -256,7 +256,7 @@ def test_gemma3_is_a_hybrid_sliding_window_model():
 
 @pytest.mark.model
 def test_real_smollm2_reuse_matches_full_prefill(tmp_path):
-    from kvtier.demo import build_prompt, find_document, read_document
+    from kvtier.demo.run import build_prompt, find_document, read_document
     from kvtier.models import load_smollm2
 
     model, tokenizer = load_smollm2(progress=False)

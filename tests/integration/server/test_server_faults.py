@@ -28,12 +28,14 @@ from kvtier.client import Client
 HALFWAY = r"""
 import json, os, sys, time, zmq
 from kvtier import protocol as P
-from kvtier.client.dataplane import attach_arena, host_id
+from kvtier.client.dataplane import attach_arena
+from kvtier.proc import host_id
 url, mode, layout, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 from kvtier.layout import KVLayout
 lay = KVLayout.from_dict(layout)
 sock = zmq.Context().socket(zmq.DEALER)
-from kvtier.auth import apply_client, client_credentials
+from kvtier.auth.curve import apply_client
+from kvtier.auth.secret_file import client_credentials
 apply_client(sock, client_credentials(url)[0])
 sock.connect(url)
 def ask(msg):

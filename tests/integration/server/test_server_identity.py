@@ -11,12 +11,13 @@ import torch
 import zmq
 from support.server import CHUNK, LAYOUT, ServerProc, authenticated
 
-from kvtier.identity import block_extra_keys, model_identity
+from kvtier.extra_keys import block_extra_keys
+from kvtier.identity import model_identity
 from kvtier.keys import namespace_of
 from kvtier.models import tiny_model
 from kvtier import protocol as P
 from kvtier.client import Client
-from kvtier.client.dataplane import host_id
+from kvtier.proc import host_id
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from support.raw import Raw
 from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, metric_value
 
 from kvtier import protocol as P
-from kvtier.auth import add_tenant, tenant_credentials, write_private
+from kvtier.auth.secret_file import add_tenant, tenant_credentials, write_private
 from kvtier.client import Client
 
 

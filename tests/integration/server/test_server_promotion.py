@@ -16,7 +16,7 @@ from support.server import CHUNK, LAYOUT, ServerProc, authenticated, metric_valu
 
 from kvtier import protocol as P
 from kvtier.client import Client
-from kvtier.client.dataplane import host_id
+from kvtier.proc import host_id
 
 TOKEN = "promotion-admin"
 HANG_SECONDS = 3600.0  # an adapter call that never comes back within the test

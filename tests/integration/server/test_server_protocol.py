@@ -9,9 +9,9 @@ from support.server import CHUNK, LAYOUT, ServerProc, authenticated
 
 from kvtier import protocol as P
 from kvtier.client import Client
-from kvtier.client.dataplane import host_id
 from kvtier.errors import ProtocolError
 from kvtier.layout import KVLayout
+from kvtier.proc import host_id
 
 
 @pytest.fixture(scope="module")

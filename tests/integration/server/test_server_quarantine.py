@@ -19,7 +19,8 @@ from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, authenticated
 
 from kvtier import protocol as P
 from kvtier.client import Client
-from kvtier.client.dataplane import attach_arena, host_id
+from kvtier.client.dataplane import attach_arena
+from kvtier.proc import host_id
 
 
 def kv_for(tokens, seed):

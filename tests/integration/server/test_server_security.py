@@ -14,7 +14,8 @@ import torch
 import zmq
 from support.server import CHUNK, LAYOUT, ServerProc, free_port, kvtier_cmd, metric_value, wait_for
 
-from kvtier.auth import Credentials, apply_client, default_secret_file, load_or_create, read_credentials
+from kvtier.auth.curve import apply_client
+from kvtier.auth.secret_file import Credentials, default_secret_file, load_or_create, read_credentials
 from kvtier.events.subscriber import Subscriber
 from kvtier.client import Client
 

@@ -14,7 +14,7 @@ import torch
 from support.server import CHUNK, LAYOUT, ServerProc, free_port, kvtier_cmd
 
 from kvtier.client import Client
-from kvtier.server.shm import pid_alive
+from kvtier.proc import pid_alive
 
 
 def refused(*args: str) -> str:

@@ -15,7 +15,7 @@ import re
 import threading
 
 import pytest
-from harness.vllm import KVTierServer, document_tokens, free_port, model_dir, run_vllm
+from harness.vllm import ServerProcessForVLLM, document_tokens, free_port, model_dir, run_vllm
 from test_vllm_support import assert_same_output, by_prompt
 
 from kvtier.events.subscriber import Subscriber
@@ -56,7 +56,7 @@ def baseline(work, prompts):
 
 @pytest.fixture(scope="module")
 def server256(work):
-    srv = KVTierServer(work, chunk_size=256)
+    srv = ServerProcessForVLLM(work, chunk_size=256)
     yield srv
     srv.stop()
 
@@ -93,7 +93,7 @@ def test_fresh_process_loads_from_kvtier_layerwise(aggregated, work, prompts, ba
 
 
 def test_disaggregated_prefill_then_decode(work, prompts, baseline):
-    srv = KVTierServer(work, chunk_size=128)  # chunk = vLLM's block size: every whole block is reused
+    srv = ServerProcessForVLLM(work, chunk_size=128)  # chunk = vLLM's block size: every whole block is reused
     try:
         cfg = {"kvtier.server_url": srv.url}
         prefill = run_vllm(work, "producer", [prompts["A"], prompts["D"]], kvtier=cfg, role="kv_producer",

@@ -21,7 +21,7 @@ import time
 import pytest
 from support.server import wait_for
 from harness.metrics import metric_sum
-from harness.vllm import KVTierServer, OpenAIServer, document_tokens, model_dir
+from harness.vllm import ServerProcessForVLLM, OpenAIServer, document_tokens, model_dir
 from test_vllm_support import assert_same_reply, cached_tokens
 
 pytestmark = pytest.mark.model
@@ -33,13 +33,13 @@ class Kvtier:
 
     def __init__(self, work):
         self.work, self.disk = work, {"type": "local_disk", "path": str(work / "l2")}
-        self.srv = KVTierServer(work, chunk_size=256, l2=self.disk)
+        self.srv = ServerProcessForVLLM(work, chunk_size=256, l2=self.disk)
 
     def restart(self, **faults) -> None:
         port, admin_port = self.srv.port, self.srv.admin_port
         self.srv.stop()
         l2 = {"type": "faulty", "inner": self.disk, "ops": ["get"], **faults} if faults else self.disk
-        self.srv = KVTierServer(self.work, chunk_size=256, l2=l2, port=port, admin_port=admin_port)
+        self.srv = ServerProcessForVLLM(self.work, chunk_size=256, l2=l2, port=port, admin_port=admin_port)
         time.sleep(1.5)  # vLLM's clients reconnect within ZMQ's RECONNECT_IVL_MAX (1 s); until then they miss
 
     def stored_in_l2(self, num_chunks: int) -> None:

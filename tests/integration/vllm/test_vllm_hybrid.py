@@ -19,7 +19,7 @@ import pytest
 from test_vllm_support import assert_same_output, by_prompt
 
 from harness.metrics import metric_sum
-from harness.vllm import KVTierServer, document_tokens, gemma3_dir, run_vllm
+from harness.vllm import ServerProcessForVLLM, document_tokens, gemma3_dir, run_vllm
 
 pytestmark = pytest.mark.model
 CHUNK = 256
@@ -45,7 +45,7 @@ def scenario(tmp_path_factory):
     prompts = [ids[:PROMPT_TOKENS[0]], ids[2000:2000 + PROMPT_TOKENS[1]]]
     disk = {"type": "local_disk", "path": str(work / "l2")}
     out = {"prompts": prompts, "reference": run_vllm(work, "alone", prompts, model=model, one_process=True)}
-    server = KVTierServer(work, chunk_size=CHUNK, l2=disk, block_size=BLOCK)
+    server = ServerProcessForVLLM(work, chunk_size=CHUNK, l2=disk, block_size=BLOCK)
     try:
         kvtier = {"kvtier.server_url": server.url, "kvtier.timeout_seconds": 5}
         out["cold"] = run_vllm(work, "cold", prompts, kvtier=kvtier, model=model, one_process=True)
@@ -54,7 +54,7 @@ def scenario(tmp_path_factory):
         out["stored_after_fresh"] = metric_sum(server.metrics_text(), "kvtier_store_chunks_total")
         port, admin_port = server.port, server.admin_port
         server.stop()
-        server = KVTierServer(work, chunk_size=CHUNK, block_size=BLOCK, port=port, admin_port=admin_port,
+        server = ServerProcessForVLLM(work, chunk_size=CHUNK, block_size=BLOCK, port=port, admin_port=admin_port,
                               l2={"type": "faulty", "inner": disk, "ops": ["get"], "error_rate": 1.0})
         time.sleep(1.0)
         out["failed"] = run_vllm(work, "failed", prompts[:1], kvtier=kvtier, model=model, one_process=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness.metrics import metric_sum
-from harness.vllm import KVTierServer, OpenAIServer, document_tokens, model_dir
+from harness.vllm import ServerProcessForVLLM, OpenAIServer, document_tokens, model_dir
 from test_vllm_support import assert_same_reply, cached_tokens
 
 pytestmark = pytest.mark.model
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def kvtier(tmp_path_factory):
-    srv = KVTierServer(tmp_path_factory.mktemp("lazy"), chunk_size=256)
+    srv = ServerProcessForVLLM(tmp_path_factory.mktemp("lazy"), chunk_size=256)
     yield srv
     srv.stop()
 

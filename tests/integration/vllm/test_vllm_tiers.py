@@ -15,7 +15,7 @@ import httpx
 import pytest
 from support.server import wait_for
 from harness.metrics import metric_sum
-from harness.vllm import KVTierServer, OpenAIServer, document_tokens, model_dir
+from harness.vllm import ServerProcessForVLLM, OpenAIServer, document_tokens, model_dir
 from test_vllm_support import assert_same_reply, cached_tokens
 
 pytestmark = pytest.mark.model
@@ -30,7 +30,7 @@ def ids():
 @pytest.fixture(scope="module")
 def kvtier(tmp_path_factory):
     work = tmp_path_factory.mktemp("tiers")
-    srv = KVTierServer(work, chunk_size=256, l2={"type": "local_disk", "path": str(work / "l2")}, token=TOKEN)
+    srv = ServerProcessForVLLM(work, chunk_size=256, l2={"type": "local_disk", "path": str(work / "l2")}, token=TOKEN)
     yield srv
     srv.stop()
 

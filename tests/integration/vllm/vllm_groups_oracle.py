@@ -7,7 +7,7 @@ reads them with ``kvtier.connectors.vllm_groups``; then drives vLLM's real sched
 from a connector, a local prefix hit plus a load, chunked prefill) and compares the per-group block tables vLLM
 builds with what kvtier's parts predict. Prints one JSON object of findings; the test asserts on it.
 
-    .venv-vllm/bin/python tests/integration/vllm_groups_oracle.py SCRATCH_DIR
+    .venv-vllm/bin/python tests/integration/vllm/vllm_groups_oracle.py SCRATCH_DIR
 """
 
 from __future__ import annotations

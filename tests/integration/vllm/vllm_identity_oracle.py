@@ -6,7 +6,7 @@ placeholder range, and a plain one), lets vLLM 0.32 hash them (``get_request_blo
 module, through the server's Lookup decode path (msgpack extra keys rebuilt as tuples) into ``KVCache.chunk_refs``,
 and in the published events. Prints one JSON object of findings; the test asserts on it.
 
-    .venv-vllm/bin/python tests/integration/vllm_identity_oracle.py MODEL_DIR ADAPTER_DIR
+    .venv-vllm/bin/python tests/integration/vllm/vllm_identity_oracle.py MODEL_DIR ADAPTER_DIR
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvtier.config import build_config
 from kvtier.connectors.vllm_identity import VLLMIdentity
 from kvtier.events import BlockStored, EventEmitter
 from kvtier.hashing import DEFAULT_ALGORITHM, DEFAULT_SEED, prefix_hashes
-from kvtier.identity import block_extra_keys
+from kvtier.extra_keys import block_extra_keys
 from kvtier.layout import KVLayout
 from kvtier import protocol as P
 

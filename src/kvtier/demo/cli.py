@@ -1,0 +1,91 @@
+"""``kvtier demo``: the click command and the table it prints (the flow is ``kvtier.demo.run``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from kvtier.demo.run import run_child_round, run_demo
+from kvtier.errors import InputError
+from kvtier.units import parse_size
+
+
+def print_table(result: dict) -> None:
+    """The rounds as a rich table on stdout, then the speedups."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvtier demo: SmolLM2-135M-Instruct over {result['document']} (cache: {result['mode']})")
+    for name in ("round", "where", "prompt tokens", "hit tokens", "TTFT (s)"):
+        table.add_column(name, justify="left" if name == "where" else "right", no_wrap=True)
+    table.add_column("answer", overflow="fold", min_width=30)
+    show_events = any(r.get("events") for r in result["rounds"])
+    if show_events:
+        table.add_column("events", overflow="fold")
+    for r in result["rounds"]:
+        text = r["answer"] if len(r["answer"]) <= 120 else r["answer"][:119] + "…"
+        cells = [r["round"], r["where"], str(r["num_prompt_tokens"]), str(r["num_hit_tokens"]),
+                 f"{r['ttft_seconds']:.3f}", text]
+        table.add_row(*cells, *([r.get("events", "")] if show_events else []))
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe or log gets whole answers
+    console.print(table)
+    s = result["summary"]
+    cold, warm, cross = s["cold_ttft_seconds"], s["warm_ttft_seconds"], s["cross_process_ttft_seconds"]
+    console.print(f"TTFT: cold {cold:.2f} s; warm {warm:.2f} s (median, speedup {cold / warm:.1f}x); "
+                  f"second process {cross:.2f} s (speedup {cold / cross:.1f}x). "
+                  f"Warm answer identical to cold: {s['outputs_identical']}")
+
+
+@click.command("demo")
+@click.option("--document", type=click.Path(dir_okay=False), default=None,
+              help="Text file to ask about (default: the GPL-3 text in /usr/share/common-licenses).")
+@click.option("--rounds", type=click.IntRange(min=2), default=3, show_default=True,
+              help="Rounds in this process: 1 cold, then warm (round 2 repeats round 1's question).")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=None,
+              help="Tokens per chunk [default: 256; with a running server: the server's].")
+@click.option("--l1-size-gb", default="1", show_default=True, help="L1 (host memory) budget, e.g. 1 or 512MiB.")
+@click.option("--disk-path", type=click.Path(file_okay=False), default=None,
+              help="Local disk tier folder (cleared at start) [default: a temporary folder removed at the end].")
+@click.option("--server", default="auto", show_default=True,
+              help="'auto': start a kvtier server for the demo (the second process reuses its shared L1); "
+                   "'off': in-process cache (the second process reuses the local disk tier); or the URL of a "
+                   "running server, e.g. tcp://127.0.0.1:5555 (its whole cache is cleared at start).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print only a JSON summary: cold_ttft_seconds, warm_ttft_seconds, cross_process_ttft_seconds, num_prompt_tokens, "
+                   "num_hit_tokens, outputs_identical.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--max-document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Cut the document to at most this many tokens (at a line end).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch CPU threads in both processes [default: torch's, one per core]. On a machine shared "
+                   "with other busy processes, 1 avoids threads waiting on each other.")
+@click.option("--events", is_flag=True, help="Show the KV cache events of each round (needs --server off).")
+@click.option("--child", is_flag=True, hidden=True)
+def demo(document, rounds, chunk_size, l1_size_gb, disk_path, server, as_json, max_new_tokens,
+         max_document_tokens, threads, events, child):
+    """Multi-round QA over a long document on SmolLM2-135M-Instruct, showing TTFT with kvtier."""
+    opts = {"document": document, "rounds": rounds, "chunk_size": chunk_size, "l1_size_gb": l1_size_gb,
+            "disk_path": disk_path, "server": server, "max_new_tokens": max_new_tokens,
+            "max_document_tokens": max_document_tokens, "threads": threads, "events": events,
+            "progress": not as_json}
+    if child:
+        if server == "auto" or (server == "off" and not disk_path):
+            raise InputError("--child needs a server URL, or --server off with --disk-path (the demo starts it)")
+        run_child_round(opts)
+        return
+    if events and server != "off":
+        raise InputError("--events shows the in-process cache's events: add --server off "
+                         "(with a server, watch them with `kvtier events`)")
+    if parse_size(l1_size_gb) <= 0:  # here, not after the model has loaded
+        raise InputError(f"--l1-size-gb must be positive, got {l1_size_gb!r}; e.g. 1 or 512MiB")
+    started = time.perf_counter()
+    log = (lambda msg: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    result = run_demo(opts, log=log)
+    if as_json:
+        click.echo(json.dumps(result["summary"]))
+    else:
+        print_table(result)
+        click.echo(f"demo finished in {time.perf_counter() - started:.1f} s", err=True)
