@@ -1,0 +1,121 @@
+"""The package's layers, read from the source: which kvtier modules each module imports (module level and inside
+functions, parsed with ``ast``, never executed), checked against the rules below, and no import cycle between
+modules at module level. A failure names each offending import (file, line, module)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvtier
+
+ROOT = Path(kvtier.__file__).resolve().parent  # the kvtier under test (a worktree's src, or the install)
+LEAVES = ("kvtier.errors", "kvtier.units", "kvtier.proc")  # import no kvtier module but kvtier.errors
+VOCABULARY = ("kvtier.hashing", "kvtier.keys", "kvtier.extra_keys", "kvtier.identity", "kvtier.layout", "kvtier.record",
+              "kvtier.tensors", "kvtier.metrics", "kvtier.protocol", "kvtier.shm", "kvtier.config", "kvtier.auth",
+              "kvtier.backend", "kvtier.models")
+UPPER = ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
+         "kvtier.events", "kvtier.demo")
+# (importers, the modules they must not import); a name covers its submodules
+RULES = [
+    (VOCABULARY, UPPER),
+    (("kvtier.l1", "kvtier.l2"), ("kvtier.cache", "kvtier.server", "kvtier.client", "kvtier.connectors", "kvtier.events",
+                                  "kvtier.demo")),
+    (("kvtier.events",), ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
+                          "kvtier.demo")),
+    (("kvtier.cache",), ("kvtier.server", "kvtier.client", "kvtier.connectors", "kvtier.demo")),
+    (("kvtier.server",), ("kvtier.client", "kvtier.connectors", "kvtier.demo")),
+    (("kvtier.client",), ("kvtier.server", "kvtier.l1", "kvtier.l2", "kvtier.cache", "kvtier.events", "kvtier.connectors",
+                          "kvtier.demo")),
+    (("kvtier.connectors", "kvtier.demo"), ("kvtier.server",)),  # they reach a server over the protocol only
+]
+
+
+def module_names() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = ("kvtier", *path.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = module_names()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(name: str) -> list[tuple[str, int, bool]]:
+    """(imported kvtier module, line, at module level) for every import in module ``name``; an
+    ``if TYPE_CHECKING:`` import counts as not at module level (it never runs)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                out.extend((alias.name, child.lineno, top) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parent = package.split(".")[:len(package.split(".")) - child.level + 1]
+                    base = ".".join([*parent, *([base] if base else [])])
+                for alias in child.names:  # ``from kvtier import protocol``: the submodule, not the package
+                    sub = f"{base}.{alias.name}"
+                    out.append((sub if sub in MODULES else base, child.lineno, top))
+            elif isinstance(child, ast.If) and _is_type_checking(child):
+                visit(child, False)
+            else:
+                visit(child, top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text(), str(path)), True)
+    return [(mod, line, top) for mod, line, top in out if mod == "kvtier" or mod.startswith("kvtier.")]
+
+
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _where(name: str, line: int) -> str:
+    return f"{MODULES[name].relative_to(ROOT.parent)}:{line}"
+
+
+def test_every_module_is_found():
+    assert {"kvtier.errors", "kvtier.cache.cache", "kvtier.auth.zap", "kvtier.server.server"} <= set(MODULES)
+
+
+def test_leaves_import_only_errors():
+    bad = [f"{_where(name, line)} imports {mod}" for name in MODULES if _under(name, LEAVES)
+           for mod, line, _ in imports_of(name) if mod != "kvtier.errors"]
+    assert bad == [], "leaf modules import kvtier modules:\n" + "\n".join(bad)
+
+
+def test_layers():
+    bad = [f"{_where(name, line)}: {name} imports {mod}" for importers, forbidden in RULES
+           for name in MODULES if _under(name, importers)
+           for mod, line, _ in imports_of(name) if _under(mod, forbidden)]
+    assert bad == [], "imports across layers:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_at_module_level():
+    graph = {name: sorted({mod for mod, _, top in imports_of(name) if top and mod in MODULES and mod != name})
+             for name in MODULES}
+    cycles, state = [], {}  # state: 1 on the current path, 2 done
+
+    def walk(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in graph[name]:
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join([*path[path.index(dep):], dep]))
+            elif dep not in state:
+                walk(dep, [*path, dep])
+        state[name] = 2
+
+    for name in graph:
+        if name not in state:
+            walk(name, [name])
+    assert cycles == [], "import cycles at module level:\n" + "\n".join(cycles)
