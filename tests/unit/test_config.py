@@ -1,5 +1,7 @@
 """Configuration: sources and priority, LMCache keys, size and bool parsing, clear errors."""
 
+import logging
+
 import pytest
 
 from kvtier.config import build_config, load_config
@@ -83,9 +85,26 @@ def test_admin_token_is_secret():
     assert "hunter2" not in repr(cfg) and "hunter2" not in str(cfg.model_dump())
 
 
-def test_unknown_environment_key_is_named():
-    with pytest.raises(ConfigError, match="KVTIER_|l1_size|did you mean 'l1_size_gb'"):
-        load_config(environ={"KVTIER_L1_SIZE": "2"})
+def test_unknown_environment_variable_is_a_warning_naming_it(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvtier.config.load"):
+        cfg = load_config(environ={"KVTIER_L1_SIZE": "2", "KVTIER_REPO": "/src/x", "KVTIER_CHUNK_SIZE": "128",
+                                   "KVTIER_KV_EVENTS__TOPC": "t"})
+    assert cfg.chunk_size == 128  # the known variable still applies
+    text = caplog.text
+    assert "KVTIER_L1_SIZE" in text and "did you mean 'l1_size_gb'" in text
+    assert "KVTIER_REPO" in text
+    assert "KVTIER_KV_EVENTS__TOPC" in text and "'kv_events.topc'" in text and "did you mean 'topic'" in text
+
+
+def test_unknown_key_in_a_file_or_a_flag_stays_an_error(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("l1_size: 2\n")
+    with pytest.raises(ConfigError, match="did you mean 'l1_size_gb'"):
+        load_config(f, environ={})
+    with pytest.raises(ConfigError, match="unknown key 'repo'"):
+        load_config(overrides={"repo": "x"}, environ={})
+    with pytest.raises(ConfigError, match="bad|invalid|key 'chunk_size'"):
+        load_config(environ={"KVTIER_CHUNK_SIZE": "-1"})  # a known variable with a bad value: still an error
 
 
 def test_block_size_defaults_to_the_chunk_size_and_hashing_to_vllms_defaults():

@@ -2,7 +2,8 @@
 
 Sources, in increasing priority: a YAML file (``KVTIER_CONFIG_FILE`` or ``--config``), ``KVTIER_*``
 environment variables (nested keys joined by ``__``: ``KVTIER_KV_EVENTS__ENDPOINT``), then explicit
-overrides (CLI flags). An LMCache-style YAML file (``chunk_size``, ``local_cpu``, ``max_local_cpu_size``,
+overrides (CLI flags). A ``KVTIER_*`` variable that names no key is a warning naming it (the environment holds
+other tools' variables too: ``KVTIER_REPO``); an unknown key in a file or a flag stays an error. An LMCache-style YAML file (``chunk_size``, ``local_cpu``, ``max_local_cpu_size``,
 ``local_disk``, ...) is recognised and translated (``kvtier.config.lmcache``). Every error names the key and
 the nearest valid key.
 """
@@ -10,6 +11,7 @@ the nearest valid key.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from kvtier.config.lmcache import from_lmcache
 from kvtier.config.tree import KVTierConfig, RenamedKeyError
 from kvtier.errors import ConfigError
 
+log = logging.getLogger(__name__)
 
 # KVTIER_* variables that are not configuration keys (tooling, tests, the model cache).
 NON_CONFIG_ENV = {"KVTIER_CONFIG_FILE", "KVTIER_ADMIN_TOKEN", "KVTIER_AUTH_SECRET_FILE", "KVTIER_MODEL_CACHE", "KVTIER_SERVICES_DIR",
@@ -40,12 +43,37 @@ def _env_value(name: str, value: str) -> Any:
                           f"{getattr(exc, 'problem', None) or exc}; fix or unset it") from None
 
 
+def _env_key_problem(path: list[str]) -> str | None:
+    """Why a variable's key path names no configuration key (with the nearest key), or None when it does.
+    Only sections are walked: below a field that is not a section (a list of adapters) pydantic checks."""
+    if tuple(path) in _REMOVED:
+        return None  # build_config refuses it, saying what to use instead
+    model: type[pydantic.BaseModel] = KVTierConfig
+    for depth, part in enumerate(path):
+        renamed = {old for klass in model.__mro__ for old in vars(klass).get("renamed_fields", {})}
+        if part in renamed:
+            return None  # the section refuses it with a message naming the new key
+        field = model.model_fields.get(part)
+        if field is None:
+            return f"{'.'.join(path[:depth + 1])!r} is not a configuration key{_nearest(part, model)}"
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, pydantic.BaseModel)):
+            return None
+        model = ann
+    return None
+
+
 def _env_overrides(environ: dict[str, str]) -> dict:
     out: dict = {}
     for name, value in environ.items():
         if not name.startswith("KVTIER_") or name in NON_CONFIG_ENV:
             continue
         path = name[len("KVTIER_"):].lower().split("__")
+        problem = _env_key_problem(path)
+        if problem:
+            log.warning("ignoring environment variable %s: %s (unset it, or rename it to the key's variable)",
+                        name, problem)
+            continue
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
