@@ -98,7 +98,8 @@ def lora_identity(name: str, path: str | os.PathLike | None = None) -> str:
     files where they are readable (every regular file under ``path``, or the file ``path``).
 
     The same adapter at the same path gives the same identity in every process; an adapter re-trained under
-    the same name and path gives a new one. File digests are cached per process by (path, size, mtime_ns).
+    the same name and path gives a new one. File digests are cached per process by (path, device, inode, size,
+    mtime_ns, ctime_ns): a file rewritten in place, even with its size and mtime restored, changes its ctime.
     A ``path`` that is not readable here (e.g. a hub id) contributes its text only.
 
     Raises:
@@ -126,13 +127,15 @@ def _adapter_digest(path: str | None) -> bytes | None:
         for f in files:
             st = f.stat()
             parts.append([f.name if f == root else f.relative_to(root).as_posix(),
-                          _file_digest(str(f.resolve()), st.st_size, st.st_mtime_ns)])
+                          _file_digest(str(f.resolve()), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                                                          st.st_ctime_ns))])
     except OSError:
         return None
     return hashlib.sha256(cbor2.dumps(parts, canonical=True)).digest()
 
 
 @functools.lru_cache(maxsize=4096)
-def _file_digest(path: str, size: int, mtime_ns: int) -> bytes:  # size and mtime_ns: the cache key
+def _file_digest(path: str, stat_key: tuple) -> bytes:  # stat_key: only the cache key
+    # ctime cannot be set by a user (utime, write and rename all move it), so a changed file never keeps its key
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").digest()

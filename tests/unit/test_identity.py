@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -83,6 +84,20 @@ def test_lora_identity_follows_the_adapter_files(tmp_path):
     write_adapter(adapter, b"\x02" * 4096)  # re-trained: same name, same path, same size
     assert lora_identity("sql", adapter) != first
     assert lora_identity("hub", "org/adapter-on-the-hub") == lora_identity("hub", "org/adapter-on-the-hub")
+
+
+def test_lora_identity_sees_a_rewrite_in_place_with_size_and_mtime_restored(tmp_path):
+    adapter = tmp_path / "sql-lora"
+    write_adapter(adapter, b"\x01" * 4096)
+    weights = adapter / "adapter_model.safetensors"
+    st = weights.stat()
+    first = lora_identity("sql", adapter)  # caches the file's digest in this process
+    time.sleep(0.05)  # past the kernel's timestamp granularity, so the rewrite's ctime differs
+    with open(weights, "r+b") as f:  # same inode, same size
+        f.write(b"\x03" * 4096)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime put back, as a copy tool would
+    assert weights.stat().st_mtime_ns == st.st_mtime_ns and weights.stat().st_size == st.st_size
+    assert lora_identity("sql", adapter) != first
 
 
 def test_namespace_is_injective_and_never_shows_the_salt():
