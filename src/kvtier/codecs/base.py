@@ -159,17 +159,22 @@ class Codec:
             a 1-D uint8 array of the chunk's bytes in ``layout.dtype`` (a view of ``out`` when given).
 
         Raises:
+            InputError: ``out`` is not the chunk's size.
             CodecError: wrong checksum, a stage's output of another size than the layout implies, parameters
                 this codec does not have, or a decoder error (the cause is chained).
         """
+        target = None if out is None else _bytes_of(out)
+        if target is not None and target.nbytes != layout.chunk_bytes(num_tokens):
+            raise InputError(f"decode target is {target.nbytes} bytes; the chunk needs {layout.chunk_bytes(num_tokens)}")
         try:
-            return self._decode(_bytes_of(data), params, layout, num_tokens, out, verify)
+            return self._decode(_bytes_of(data), params, layout, num_tokens, target, verify)
         except CodecError:
             raise
         except Exception as exc:  # a decoder's own error, or params of the wrong shape: all mean a bad encoding
             raise CodecError(f"{self.name}: cannot decode the chunk ({type(exc).__name__}: {exc})") from exc
 
-    def _decode(self, data: np.ndarray, params: dict, layout: KVLayout, num_tokens: int, out, verify: bool):
+    def _decode(self, data: np.ndarray, params: dict, layout: KVLayout, num_tokens: int, out: np.ndarray | None,
+                verify: bool) -> np.ndarray:
         if not isinstance(params, dict):
             raise CodecError(f"{self.name}: codec params must be a dict, got {type(params).__name__}")
         missing = [s.name for s in (self.transform, self.compressor) if s is not None and s.name not in params]
@@ -193,8 +198,5 @@ class Codec:
             raise CodecError(f"{self.name}: decoded {data.nbytes} bytes; the layout needs {expected}")
         if out is None:
             return data
-        target = _bytes_of(out)
-        if target.nbytes != expected:
-            raise InputError(f"decode target is {target.nbytes} bytes; the chunk needs {expected}")
-        target[...] = data
-        return target
+        out[...] = data
+        return out

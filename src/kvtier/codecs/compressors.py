@@ -108,7 +108,7 @@ class Lz4(Compressor):
         try:
             out = np.frombuffer(lz4.block.decompress(data, uncompressed_size=size), dtype=np.uint8)
         except lz4.block.LZ4BlockError as exc:
-            raise CodecError(f"lz4: {exc}") from exc
+            raise CodecError(f"lz4: the block does not decode to the {size} bytes the layout needs ({exc})") from exc
         if out.size != size:  # lz4 accepts a block that decodes to fewer bytes than the room given
             raise CodecError(f"lz4: decompressed {out.size} bytes; the layout needs {size}")
         return _unplanes(out, params)

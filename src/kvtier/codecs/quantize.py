@@ -89,7 +89,7 @@ class _OneByte(Transform):
             scale = self._scales(x, mode, params["group"])
             shape = _scale_shape(mode, params["group"], layout, num_tokens)
             nbytes = 2 * math.prod(shape)
-            torch.from_numpy(out[offset:offset + nbytes]).view(torch.float16).view(shape).copy_(scale)
+            torch.from_numpy(out[offset:offset + nbytes].view(np.float16)).view(shape).copy_(scale)
             offset += nbytes
             y = x / _expand(scale.float(), mode, params["group"], num_tokens)
             quantized[:, part] = self._to_bytes(y.clamp_(-self.QMAX, self.QMAX))
@@ -125,7 +125,7 @@ class _OneByte(Transform):
         for part, mode in enumerate(_part_modes(params["scale"])):
             scale_shape = _scale_shape(mode, int(params["group"]), layout, num_tokens)
             nbytes = 2 * math.prod(scale_shape)
-            scale = torch.from_numpy(data[offset:offset + nbytes]).view(torch.float16).view(scale_shape).float()
+            scale = torch.from_numpy(data[offset:offset + nbytes].view(np.float16)).view(scale_shape).float()
             offset += nbytes
             out[:, part] = self._from_bytes(quantized[:, part]) * _expand(scale, mode, int(params["group"]), num_tokens)
         return out
@@ -175,4 +175,4 @@ class Bf16(Transform):
 
     def decode(self, data, params, layout, num_tokens):
         torch = _torch()
-        return torch.from_numpy(data).view(torch.bfloat16).view(layout.chunk_shape(num_tokens)).float()
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).view(layout.chunk_shape(num_tokens)).float()
