@@ -64,8 +64,9 @@ class _OneByte(Transform):
     def _to_bytes(self, y):
         raise NotImplementedError
 
-    def _from_bytes(self, q):
-        """1-D uint8 codes -> float32 values (before scaling)."""
+    def _from_bytes(self, q: np.ndarray):
+        """1-D uint8 codes (numpy, maybe read-only) -> a new float32 torch tensor of their values (before scaling);
+        converted in numpy first, so torch never wraps a read-only array."""
         raise NotImplementedError
 
     def _params(self) -> dict:
@@ -122,12 +123,12 @@ class _OneByte(Transform):
         shape = layout.chunk_shape(num_tokens)
         elements = math.prod(shape)
         out = torch.empty(shape, dtype=getattr(torch, layout.dtype))
-        values = self._from_bytes(torch.from_numpy(data[:elements])).view(shape)
+        values = self._from_bytes(data[:elements]).view(shape)
         offset = elements
         for part, mode in enumerate(_part_modes(params["scale"])):
             scale_shape = _scale_shape(mode, int(params["group"]), layout, num_tokens)
             nbytes = 2 * math.prod(scale_shape)
-            scale = torch.from_numpy(data[offset:offset + nbytes].view(np.float16)).view(scale_shape).float()
+            scale = torch.from_numpy(data[offset:offset + nbytes].view(np.float16).astype(np.float32)).view(scale_shape)
             offset += nbytes
             out[:, part] = values[:, part].mul_(_expand(scale, mode, int(params["group"]), num_tokens))
         return out
@@ -150,7 +151,7 @@ class Fp8E4M3(_OneByte):
     def _from_bytes(self, q):
         # a 256-entry table: 9x faster here than torch's float8 -> float32 conversion
         torch = _torch()
-        return torch.index_select(_fp8_table(), 0, q.int())
+        return torch.index_select(_fp8_table(), 0, torch.from_numpy(q.astype(np.int32)))
 
 
 @functools.cache
@@ -171,7 +172,7 @@ class Int8(_OneByte):
         return y.round_().to(torch.int8).view(torch.uint8)
 
     def _from_bytes(self, q):
-        return q.view(_torch().int8).float()  # vectorised in torch
+        return _torch().from_numpy(q.view(np.int8).astype(np.float32))
 
 
 class Bf16(Transform):
@@ -188,4 +189,6 @@ class Bf16(Transform):
 
     def decode(self, data, params, layout, num_tokens):
         torch = _torch()
-        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).view(layout.chunk_shape(num_tokens)).float()
+        widened = data.view(np.uint16).astype(np.uint32)
+        widened <<= 16  # a bfloat16 is the high half of the float32 of the same value
+        return torch.from_numpy(widened.view(np.float32)).view(layout.chunk_shape(num_tokens))
