@@ -182,6 +182,20 @@ def print_result(result: dict) -> None:
               f"{r['mean_kl_nats']:.2e}")
 
 
+def chart(results: list[dict], path: str) -> None:
+    """Ratio vs bf16 of every codec on each model's bf16 KV (and fp32-only codecs on fp32 KV), one bar each."""
+    from charts import bars
+
+    data = {}
+    for result in results:
+        for key in ("speed_bf16", "speed_fp32"):
+            for row in result.get(key) or []:
+                label = f"{result['model']} {key[6:]}: {row['codec']}"
+                if row["codec"] != "memcpy" and (key == "speed_bf16" or row["codec"].startswith("bf16")):
+                    data[label] = round(row["ratio_vs_bf16"], 2)
+    bars(data, "KV codecs: compression ratio against the bf16 KV", "bf16 bytes / encoded bytes", path, line=1.3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,gemma3", help="comma-separated: smollm2, gemma3")
@@ -194,7 +208,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", choices=("speed", "quality"), help="one half of the benchmark")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--chart", help="also draw the ratios into this PNG (from this run, or --from-json)")
+    parser.add_argument("--from-json", help="draw --chart from a saved --json file and exit")
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            chart(json.load(f), args.chart or "codecs.png")
+        return
     torch.set_num_threads(1)
     results = []
     for name in args.models.split(","):
@@ -205,6 +225,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.chart:
+        chart(results, args.chart)
 
 
 if __name__ == "__main__":
