@@ -209,6 +209,7 @@ def main() -> None:
     parser.add_argument("--ratio-chunks", type=int, default=8, help="chunks timed for the speed table")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quality-codecs", help=f"semicolon-separated specs for the quality half (default {QUALITY_CODECS})")
     parser.add_argument("--only", choices=("speed", "quality"), help="one half of the benchmark")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--chart", help="also draw the ratios into this PNG (from this run, or --from-json)")
@@ -219,6 +220,8 @@ def main() -> None:
             chart(json.load(f), args.chart or "codecs.png")
         return
     torch.set_num_threads(1)
+    if args.quality_codecs:
+        QUALITY_CODECS[:] = args.quality_codecs.split(";")
     results = []
     for name in args.models.split(","):
         if name not in LOADERS:
