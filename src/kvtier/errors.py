@@ -27,3 +27,12 @@ class StorageError(KVTierError):
 
 class ProtocolError(KVTierError):
     """A server message is malformed, of the wrong version, or refused."""
+
+
+class CodecError(CorruptRecordError):
+    """Encoded KV bytes do not decode to the chunk their layout describes: corrupt, truncated, a decoded size that
+    differs from the layout's, or parameters the codec does not know. A corrupt record to the cache (a miss)."""
+
+
+class UnknownCodecError(ConfigError):
+    """A codec name (in the configuration, or in a record written by another kvtier) is not one this kvtier has."""

@@ -1,0 +1,239 @@
+"""KV codecs on real KV: compression ratio, encode / decode speed per core, and what lossy KV does to the model.
+
+KV: SmolLM2-135M-Instruct and Gemma-3-270M (fp32 weights, transformers on CPU) prefill the first
+``--chunk-tokens`` tokens of ``--prompts`` real texts (``corpus.py``: Debian's licences and package docs); each
+prefix's KV is one kvtier chunk ``(num_layers, 2, chunk_tokens, num_kv_heads, head_dim)``. The bf16 KV is the
+fp32 KV rounded to bfloat16 (what a bf16 model's cache holds, to rounding).
+
+Speed (``torch.set_num_threads(1)``: per core): every codec encodes and decodes the first ``--ratio-chunks``
+chunks, best of ``--repeat`` passes; GB/s = raw chunk bytes (10**9) per second, against a memcpy of the same
+chunks into a buffer (``np.copyto``) in the same run. Ratio = raw bytes / encoded bytes over those chunks, and
+against the bf16 size.
+
+Quality: for each lossy codec, the prefix KV goes through encode + decode and is loaded back into the model
+(``DynamicCache``); the model then reads the next ``--tail-tokens`` tokens of the text (as kvtier's connector
+prefills what follows a hit) and answers greedily for ``--new-tokens`` tokens. Reported against the same steps on
+the raw KV: answers identical (share of prompts), top-1 agreement and mean KL(raw || codec) of the next-token
+distributions at the tail's positions.
+
+    .venv/bin/python benchmarks/bench_codecs.py [--models smollm2,gemma3] [--prompts 50] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from corpus import Corpus
+from kvtier.codecs import get_codec
+from kvtier.connectors.hf import dynamic_cache_to_kv
+from kvtier.errors import KVTierError
+from kvtier.models import kv_layout_of, load_gemma3, load_smollm2
+
+LOADERS = {"smollm2": load_smollm2, "gemma3": load_gemma3}
+SPEED_CODECS = ["none", "zstd", "zstd:shuffle=none", "zstd:level=3", "zstd:level=-1", "lz4", "lz4:shuffle=none",
+                "fp8_e4m3", "fp8_e4m3:scale=kivi", "fp8_e4m3+zstd", "fp8_e4m3+lz4", "int8:scale=token", "int8",
+                "int8+zstd", "bf16", "bf16+zstd", "bf16+lz4"]
+QUALITY_CODECS = ["bf16", "fp8_e4m3:scale=token", "fp8_e4m3:scale=channel", "fp8_e4m3:scale=kivi", "int8:scale=token",
+                  "int8:scale=kivi"]
+
+
+def best_seconds(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def chunk_bytes(kv: torch.Tensor) -> np.ndarray:
+    return kv.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def speed_rows(chunks: list[torch.Tensor], layout, repeat: int) -> list[dict]:
+    """One row per codec that accepts ``layout``, plus the memcpy baseline."""
+    raws = [chunk_bytes(c) for c in chunks]
+    tokens = chunks[0].shape[2]
+    total = sum(r.nbytes for r in raws)
+    bf16_total = total * 2 // layout.element_size
+    outs = [np.empty_like(r) for r in raws]
+    memcpy = total / best_seconds(lambda: [np.copyto(o, r) for o, r in zip(outs, raws)], repeat) / 1e9
+    rows = [{"codec": "memcpy", "encode_gbps": memcpy, "decode_gbps": memcpy}]
+    for spec in SPEED_CODECS:
+        codec = get_codec(spec)
+        try:
+            encoded = [codec.encode(r, layout, tokens) for r in raws]
+        except KVTierError as exc:  # e.g. bf16 of bf16 KV
+            print(f"  skip {spec} on {layout.dtype}: {exc}", file=sys.stderr)
+            continue
+        size = sum(e.nbytes for e in encoded)
+        enc = best_seconds(lambda: [codec.encode(r, layout, tokens) for r in raws], repeat)
+        dec = best_seconds(lambda: [codec.decode(e.data, e.params, layout, tokens, out=o)
+                                    for e, o in zip(encoded, outs)], repeat)
+        if codec.lossless:
+            assert all(np.array_equal(o, r) for o, r in zip(outs, raws)), spec
+        rows.append({"codec": codec.spec, "lossless": codec.lossless, "ratio": total / size,
+                     "ratio_vs_bf16": bf16_total / size, "encode_gbps": total / enc / 1e9,
+                     "decode_gbps": total / dec / 1e9, "decode_vs_memcpy": total / dec / 1e9 / memcpy})
+    return rows
+
+
+def run_tails(model, kvs: list[torch.Tensor], tail: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load each of ``kvs`` (versions of one prefix's KV) as one row of a batched cache, read ``tail`` in every row,
+    answer greedily. Returns (log-probs at the tail's positions [rows, tail, vocab], answers [rows, new_tokens]).
+
+    One batch instead of one run per codec: the rows are independent (same lengths, no padding) and the raw KV is
+    a row of the same batch, so every comparison is between the same computations."""
+    rows = len(kvs)
+    stacked = torch.stack(kvs)  # (rows, L, 2, T, H, D)
+    layers = [(stacked[:, i, 0].transpose(1, 2), stacked[:, i, 1].transpose(1, 2)) for i in range(stacked.shape[1])]
+    cache = DynamicCache(ddp_cache_data=layers, config=model.config)  # per layer [rows, H, T, D]
+    length = stacked.shape[3] + tail.shape[0]
+    out = model(tail[None].expand(rows, -1), past_key_values=cache,
+                attention_mask=torch.ones((rows, length), dtype=torch.long), use_cache=True)
+    logprobs = torch.log_softmax(out.logits.float(), dim=-1)
+    answers = [out.logits[:, -1].argmax(-1)]
+    for _ in range(new_tokens - 1):
+        length += 1
+        out = model(answers[-1][:, None], past_key_values=out.past_key_values,
+                    attention_mask=torch.ones((rows, length), dtype=torch.long), use_cache=True)
+        answers.append(out.logits[:, -1].argmax(-1))
+    return logprobs, torch.stack(answers, dim=1)
+
+
+def lossy_round_trip(spec: str, kv: torch.Tensor, layout) -> torch.Tensor:
+    codec = get_codec(spec)
+    raw = chunk_bytes(kv)
+    encoded = codec.encode(raw, layout, kv.shape[2])
+    decoded = codec.decode(encoded.data, encoded.params, layout, kv.shape[2])
+    return torch.from_numpy(decoded.copy()).view(kv.dtype).view(kv.shape)
+
+
+def bench_model(name: str, args) -> dict:
+    try:
+        model, tokenizer = LOADERS[name](progress=False)
+    except KVTierError as exc:
+        print(f"{name}: skipped ({exc})")
+        return {"model": name, "skipped": str(exc)}
+    corpus = Corpus(tokenizer, seed=args.seed)
+    need = args.chunk_tokens + args.tail_tokens
+    layout32 = kv_layout_of(model, torch.float32)
+    layout16 = kv_layout_of(model, torch.bfloat16)
+    chunks, quality = [], {spec: {"identical": 0, "top1": 0, "positions": 0, "kl_sum": 0.0} for spec in QUALITY_CODECS}
+    started = time.perf_counter()
+    for i in range(args.prompts if args.only != "speed" else args.ratio_chunks):
+        # drawn a little longer: the text re-tokenizes to about, not exactly, the tokens drawn
+        ids = torch.tensor(tokenizer(corpus.draw(need + 16), add_special_tokens=False).input_ids[:need])
+        if ids.shape[0] < need:
+            raise SystemExit(f"{name}: a drawn text holds {ids.shape[0]} tokens, fewer than {need}")
+        prefix, tail = ids[:args.chunk_tokens], ids[args.chunk_tokens:]
+        with torch.inference_mode():
+            out = model(prefix[None], use_cache=True)
+            kv = dynamic_cache_to_kv(out.past_key_values, args.chunk_tokens)
+            if len(chunks) < args.ratio_chunks:
+                chunks.append(kv)
+            if args.only == "speed":
+                continue
+            logprobs, answers = run_tails(model, [kv] + [lossy_round_trip(spec, kv, layout32) for spec in QUALITY_CODECS],
+                                          tail, args.new_tokens)
+            for row, spec in enumerate(QUALITY_CODECS, start=1):
+                q = quality[spec]
+                q["identical"] += bool(torch.equal(answers[row], answers[0]))
+                q["top1"] += int((logprobs[row].argmax(-1) == logprobs[0].argmax(-1)).sum())
+                q["positions"] += logprobs.shape[1]
+                q["kl_sum"] += float((logprobs[0].exp() * (logprobs[0] - logprobs[row])).sum())
+        print(f"  {name}: prompt {i + 1}/{args.prompts} ({time.perf_counter() - started:.0f} s): " + ", ".join(
+            f"{spec} {q['identical']}" for spec, q in quality.items()), file=sys.stderr)
+    result = {"model": name, "layout": layout32.to_dict(), "chunk_tokens": args.chunk_tokens, "prompts": args.prompts}
+    if args.only != "speed":
+        result["quality"] = [{"codec": get_codec(spec).spec, "identical_answers": q["identical"] / args.prompts,
+                              "top1_agreement": q["top1"] / q["positions"], "mean_kl_nats": q["kl_sum"] / q["positions"]}
+                             for spec, q in quality.items()]
+    if args.only != "quality":
+        result["speed_fp32"] = speed_rows(chunks, layout32, args.repeat)
+        result["speed_bf16"] = speed_rows([c.to(torch.bfloat16) for c in chunks], layout16, args.repeat)
+    return result
+
+
+def print_result(result: dict) -> None:
+    if "skipped" in result:
+        return
+    print(f"\n## {result['model']}: chunks of {result['chunk_tokens']} tokens, layout {result['layout']}")
+    for key in ("speed_fp32", "speed_bf16"):
+        rows = result.get(key)
+        if not rows:
+            continue
+        print(f"\n{key[6:]} KV | ratio | vs bf16 | encode GB/s | decode GB/s | decode / memcpy")
+        for r in rows:
+            if r["codec"] == "memcpy":
+                print(f"memcpy | 1.000 | | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | 1.00")
+                continue
+            print(f"{r['codec']} | {r['ratio']:.3f} | {r['ratio_vs_bf16']:.3f} | {r['encode_gbps']:.2f} | "
+                  f"{r['decode_gbps']:.2f} | {r['decode_vs_memcpy']:.2f}")
+    if "quality" not in result:
+        return
+    print(f"\nquality ({result['prompts']} prompts) | identical answers | top-1 agreement | mean KL (nats)")
+    for r in result["quality"]:
+        print(f"{r['codec']} | {100 * r['identical_answers']:.0f} % | {100 * r['top1_agreement']:.2f} % | "
+              f"{r['mean_kl_nats']:.2e}")
+
+
+def chart(results: list[dict], path: str) -> None:
+    """Ratio vs bf16 of every codec on each model's bf16 KV (and fp32-only codecs on fp32 KV), one bar each."""
+    from charts import bars
+
+    data = {}
+    for result in results:
+        for key in ("speed_bf16", "speed_fp32"):
+            for row in result.get(key) or []:
+                label = f"{result['model']} {key[6:]}: {row['codec']}"
+                if row["codec"] != "memcpy" and (key == "speed_bf16" or row["codec"].startswith("bf16")):
+                    data[label] = round(row["ratio_vs_bf16"], 2)
+    bars(data, "KV codecs: compression ratio against the bf16 KV", "bf16 bytes / encoded bytes", path, line=1.3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2,gemma3", help="comma-separated: smollm2, gemma3")
+    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--tail-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--ratio-chunks", type=int, default=8, help="chunks timed for the speed table")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quality-codecs", help=f"semicolon-separated specs for the quality half (default {QUALITY_CODECS})")
+    parser.add_argument("--only", choices=("speed", "quality"), help="one half of the benchmark")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--chart", help="also draw the ratios into this PNG (from this run, or --from-json)")
+    parser.add_argument("--from-json", help="draw --chart from a saved --json file and exit")
+    args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            chart(json.load(f), args.chart or "codecs.png")
+        return
+    torch.set_num_threads(1)
+    if args.quality_codecs:
+        QUALITY_CODECS[:] = args.quality_codecs.split(";")
+    results = []
+    for name in args.models.split(","):
+        if name not in LOADERS:
+            raise SystemExit(f"unknown model {name!r}; use {sorted(LOADERS)}")
+        results.append(bench_model(name, args))
+        print_result(results[-1])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.chart:
+        chart(results, args.chart)
+
+
+if __name__ == "__main__":
+    main()
