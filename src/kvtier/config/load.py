@@ -3,9 +3,9 @@
 Sources, in increasing priority: a YAML file (``KVTIER_CONFIG_FILE`` or ``--config``), ``KVTIER_*``
 environment variables (nested keys joined by ``__``: ``KVTIER_KV_EVENTS__ENDPOINT``), then explicit
 overrides (CLI flags). A ``KVTIER_*`` variable that names no key is a warning naming it (the environment holds
-other tools' variables too: ``KVTIER_REPO``); an unknown key in a file or a flag stays an error. An LMCache-style YAML file (``chunk_size``, ``local_cpu``, ``max_local_cpu_size``,
-``local_disk``, ...) is recognised and translated (``kvtier.config.lmcache``). Every error names the key and
-the nearest valid key.
+other tools' variables too: ``KVTIER_REPO``); an unknown key in a file or a flag stays an error. An
+LMCache-style YAML file (``chunk_size``, ``local_cpu``, ``max_local_cpu_size``, ``local_disk``, ...) is
+recognised and translated (``kvtier.config.lmcache``). Every error names the key and the nearest valid key.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pydantic
 import yaml
 
 from kvtier.config.lmcache import from_lmcache
-from kvtier.config.tree import KVTierConfig, RenamedKeyError
+from kvtier.config.tree import KVTierConfig, RenamedKeyError, StrictModel
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,18 +48,16 @@ def _env_key_problem(path: list[str]) -> str | None:
     Only sections are walked: below a field that is not a section (a list of adapters) pydantic checks."""
     if tuple(path) in _REMOVED:
         return None  # build_config refuses it, saying what to use instead
-    model: type[pydantic.BaseModel] = KVTierConfig
+    model: type[StrictModel] = KVTierConfig
     for depth, part in enumerate(path):
-        renamed = {old for klass in model.__mro__ for old in vars(klass).get("renamed_fields", {})}
-        if part in renamed:
+        if part in model.renamed_keys():
             return None  # the section refuses it with a message naming the new key
-        field = model.model_fields.get(part)
-        if field is None:
+        if part not in model.model_fields:
             return f"{'.'.join(path[:depth + 1])!r} is not a configuration key{_nearest(part, model)}"
-        ann = field.annotation
-        if not (isinstance(ann, type) and issubclass(ann, pydantic.BaseModel)):
+        section = _subsection(model, part)
+        if section is None:
             return None
-        model = ann
+        model = section
     return None
 
 
@@ -101,13 +99,16 @@ def _nearest(key: str, model: type[pydantic.BaseModel]) -> str:
     return f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(model.model_fields)}"
 
 
+def _subsection(model: type[pydantic.BaseModel], key: str) -> type[StrictModel] | None:
+    """The section ``model.key`` is, or None when that key is not a section (a value, a list) or not a key."""
+    ann = getattr(model.model_fields.get(key), "annotation", None)
+    return ann if isinstance(ann, type) and issubclass(ann, StrictModel) else None
+
+
 def _section_of(loc: tuple) -> type[pydantic.BaseModel]:
     model: type[pydantic.BaseModel] = KVTierConfig
     for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
-            model = ann
+        model = _subsection(model, str(part)) or model
     return model
 
 

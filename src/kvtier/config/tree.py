@@ -64,14 +64,20 @@ class StrictModel(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     renamed_fields: ClassVar[dict[str, str]] = {}
 
+    @classmethod
+    def renamed_keys(cls) -> dict[str, str]:
+        """Former key -> new key, this section's ``renamed_fields`` merged with its base classes'."""
+        renamed: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            renamed.update(vars(klass).get("renamed_fields", {}))
+        return renamed
+
     @pydantic.model_validator(mode="before")
     @classmethod
     def _refuse_renamed(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            msgs, renamed = [], {}
-            for klass in reversed(cls.__mro__):
-                renamed.update(vars(klass).get("renamed_fields", {}))
-            for old, new in renamed.items():
+            msgs = []
+            for old, new in cls.renamed_keys().items():
                 if old in data:
                     note = next((n for (a, b), n in _UNIT_NOTES.items() if old.endswith(a) and new.endswith(b)), "")
                     msgs.append(f"key {old!r} was renamed to {new!r}" + (f" ({note})" if note else ""))
