@@ -23,23 +23,45 @@ from kvtier.errors import CodecError
 SHUFFLES = ("byte", "none")
 
 
-def _planes(data: np.ndarray, itemsize: int, how: str) -> tuple[np.ndarray, dict]:
-    """The bytes to compress and the params that say how they were shuffled."""
-    if how == "byte" and itemsize > 1:
-        return shuffle(data, itemsize), {"shuffle": "byte", "itemsize": itemsize}
-    return data, {"shuffle": "none"}
+class _Shuffled(Compressor):
+    """The part both compressors share: the optional byte shuffle, empty chunks, and the size check on the way
+    back. Subclasses implement ``_deflate(planes) -> buffer`` and ``_inflate(data, size) -> uint8 array``."""
+
+    def compress(self, data, itemsize):
+        if self.options["shuffle"] == "byte" and itemsize > 1:
+            planes, params = shuffle(data, itemsize), {"shuffle": "byte", "itemsize": itemsize}
+        else:
+            planes, params = data, {"shuffle": "none"}
+        params.update(self._params())
+        return (self._deflate(planes) if planes.size else b""), params
+
+    def decompress(self, data, params, size):
+        encoded = memoryview(data).nbytes
+        if size == 0 or encoded == 0:
+            if size or encoded:
+                raise CodecError(f"{self.name}: {encoded} encoded bytes for a chunk of {size} bytes")
+            return np.empty(0, dtype=np.uint8)
+        out = self._inflate(data, size)
+        if out.size != size:  # lz4 accepts a block that decodes to fewer bytes than the room given
+            raise CodecError(f"{self.name}: decompressed {out.size} bytes; the layout needs {size}")
+        how = params.get("shuffle")
+        if how == "byte":
+            return unshuffle(out, int(params["itemsize"]))
+        if how != "none":
+            raise CodecError(f"unknown shuffle {how!r} in codec params; this kvtier knows {SHUFFLES}")
+        return out
+
+    def _params(self) -> dict:
+        return {}
+
+    def _deflate(self, planes: np.ndarray):
+        raise NotImplementedError
+
+    def _inflate(self, data, size: int) -> np.ndarray:
+        raise NotImplementedError
 
 
-def _unplanes(data: np.ndarray, params: dict) -> np.ndarray:
-    how = params.get("shuffle")
-    if how == "byte":
-        return unshuffle(data, int(params["itemsize"]))
-    if how != "none":
-        raise CodecError(f"unknown shuffle {how!r} in codec params; this kvtier knows {SHUFFLES}")
-    return data
-
-
-class Zstd(Compressor):
+class Zstd(_Shuffled):
     name = "zstd"
     OPTIONS = {"level": 1, "shuffle": "byte"}
 
@@ -59,18 +81,13 @@ class Zstd(Compressor):
             local.module = zstandard
         return local
 
-    def compress(self, data, itemsize):
-        planes, params = _planes(data, itemsize, self.options["shuffle"])
-        params["level"] = int(self.options["level"])
-        if planes.size == 0:
-            return b"", params
-        return self._objects().compressor.compress(planes), params
+    def _params(self):
+        return {"level": int(self.options["level"])}
 
-    def decompress(self, data, params, size):
-        if size == 0 or memoryview(data).nbytes == 0:
-            if size or memoryview(data).nbytes:
-                raise CodecError(f"zstd: {memoryview(data).nbytes} encoded bytes for a chunk of {size} bytes")
-            return np.empty(0, dtype=np.uint8)
+    def _deflate(self, planes):
+        return self._objects().compressor.compress(planes)
+
+    def _inflate(self, data, size):
         local = self._objects()
         try:
             declared = local.module.frame_content_size(data)
@@ -78,37 +95,24 @@ class Zstd(Compressor):
             raise CodecError(f"zstd: not a zstd frame ({exc})") from exc
         if declared != size:  # before allocating what a damaged header claims
             raise CodecError(f"zstd: the frame holds {declared} bytes; the layout needs {size}")
-        out = np.frombuffer(local.decompressor.decompress(data, max_output_size=size), dtype=np.uint8)
-        if out.size != size:
-            raise CodecError(f"zstd: decompressed {out.size} bytes; the layout needs {size}")
-        return _unplanes(out, params)
+        return np.frombuffer(local.decompressor.decompress(data, max_output_size=size), dtype=np.uint8)
 
 
-class Lz4(Compressor):
+class Lz4(_Shuffled):
     name = "lz4"
     OPTIONS = {"acceleration": 1, "shuffle": "byte"}
 
-    def compress(self, data, itemsize):
+    def _deflate(self, planes):
         import lz4.block
 
-        planes, params = _planes(data, itemsize, self.options["shuffle"])
-        if planes.size == 0:
-            return b"", params
         acceleration = int(self.options["acceleration"])
         mode = {"mode": "fast", "acceleration": acceleration} if acceleration > 1 else {"mode": "default"}
-        return lz4.block.compress(planes, store_size=False, **mode), params
+        return lz4.block.compress(planes, store_size=False, **mode)
 
-    def decompress(self, data, params, size):
+    def _inflate(self, data, size):
         import lz4.block
 
-        if size == 0 or memoryview(data).nbytes == 0:
-            if size or memoryview(data).nbytes:
-                raise CodecError(f"lz4: {memoryview(data).nbytes} encoded bytes for a chunk of {size} bytes")
-            return np.empty(0, dtype=np.uint8)
         try:
-            out = np.frombuffer(lz4.block.decompress(data, uncompressed_size=size), dtype=np.uint8)
+            return np.frombuffer(lz4.block.decompress(data, uncompressed_size=size), dtype=np.uint8)
         except lz4.block.LZ4BlockError as exc:
             raise CodecError(f"lz4: the block does not decode to the {size} bytes the layout needs ({exc})") from exc
-        if out.size != size:  # lz4 accepts a block that decodes to fewer bytes than the room given
-            raise CodecError(f"lz4: decompressed {out.size} bytes; the layout needs {size}")
-        return _unplanes(out, params)
