@@ -2,22 +2,28 @@
 
 (a) Publisher throughput with a subscriber attached (in another process): events/s against the 100,000 events/s
     target, and a check that every event arrived (live or replayed) in order.
+    With ``--auth``: the same with CurveZMQ and tenant scoping on (a server's keys, the subscriber holding the
+    server's secret) and off, alternating, and the ratio on/off (target >= 0.9x).
 (b) Emitter overhead in a store-like loop (block hashing + copying one 256-token chunk of KV into a buffer, as the
     cache does) with events disabled vs enabled, for block_size 256 (= chunk) and 16 (GPU vLLM's blocks).
 
-Usage: python benchmarks/bench_events.py [--events 300000] [--chunks 400]
+Usage: python benchmarks/bench_events.py [--events 300000] [--chunks 400] [--auth] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
+from kvtier.auth.keyring import KeyRing
+from kvtier.auth.secret_file import load_or_create
 from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.events import BlockStored, EventEmitter, EventPublisher, Subscriber
@@ -27,9 +33,9 @@ from kvtier.layout import KVLayout
 TARGET_EVENTS_PER_SECOND = 100_000
 
 
-def subscriber_main(endpoint: str, replay: str, num_events: int) -> None:
+def subscriber_main(endpoint: str, replay: str, num_events: int, secret_file: str | None = None) -> None:
     """Child process: count events, check event i carries hash i, report JSON on stdout."""
-    sub = Subscriber(endpoint, replay, "kv-events", replay_timeout_seconds=10)
+    sub = Subscriber(endpoint, replay, "kv-events", replay_timeout_seconds=10, secret_file=secret_file)
     print("ready", flush=True)
     expected, in_order, done_at = 0, True, None
     while expected < num_events:
@@ -50,12 +56,14 @@ def subscriber_main(endpoint: str, replay: str, num_events: int) -> None:
     sub.close()
 
 
-def bench_publisher(num_events: int) -> None:
+def bench_publisher(num_events: int, secret_file: str | None = None) -> float:
+    """(a) once; returns events/s. ``secret_file``: a server secret file, so the publisher authenticates."""
     cfg = build_config({"kv_events": {"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0",
                                       "batch_max_events": 1000, "batch_max_delay_seconds": 0.001}}).kv_events
-    pub = EventPublisher(cfg)
-    child = subprocess.Popen([sys.executable, __file__, "--child", pub.endpoint, pub.replay_endpoint, str(num_events)],
-                             stdout=subprocess.PIPE, text=True)
+    keyring = KeyRing(load_or_create(secret_file)[0]) if secret_file else None
+    pub = EventPublisher(cfg, auth=keyring)
+    child = subprocess.Popen([sys.executable, __file__, "--child", pub.endpoint, pub.replay_endpoint, str(num_events),
+                              *([secret_file] if secret_file else [])], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
     probe = BlockStored([2**63], None, list(range(16)), 16, None, "CPU", None)
     time.sleep(0.5)  # ZMQ joins asynchronously; probes below absorb the rest
@@ -78,13 +86,29 @@ def bench_publisher(num_events: int) -> None:
     pub.close()
     elapsed = result["done_at"] - start  # until the subscriber process had the last event
     rate = num_events / elapsed
-    print(f"(a) publisher -> subscriber process: {num_events} events (BlockStored, 16 tokens) in {elapsed:.3f} s "
+    mode = "CurveZMQ + scoping" if secret_file else "plain ZMQ"
+    print(f"(a) publisher -> subscriber process, {mode}: {num_events} events (BlockStored, 16 tokens) in {elapsed:.3f} s "
           f"(publisher queue drained after {queue_drained_seconds:.3f} s) = {rate:,.0f} events/s; "
           f"ratio vs {TARGET_EVENTS_PER_SECOND:,}/s target: {rate / TARGET_EVENTS_PER_SECOND:.2f}x")
     ok = result["received"] == num_events and result["in_order"] and result["missed_batches"] == 0
     print(f"    subscriber: {result['received']} events, in order: {result['in_order']}, live batches "
           f"{result['live_batches']}, replayed batches {result['replayed_batches']}, lost {result['missed_batches']}"
           f" -> {'OK' if ok else 'FAILED'}")
+    return rate
+
+
+def bench_auth(num_events: int, rounds: int) -> None:
+    """(a) with authentication off and on, alternating; the ratio of the medians."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o700)
+        secret = os.path.join(tmp, "server.secret")
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(rounds):
+            rates["off"].append(bench_publisher(num_events))
+            rates["on"].append(bench_publisher(num_events, secret))
+    off, on = (float(np.median(rates[k])) for k in ("off", "on"))
+    print(f"(a) authentication: median {on:,.0f} events/s on vs {off:,.0f} off over {rounds} round(s); "
+          f"ratio on/off {on / off:.2f}x (target >= 0.9x)")
 
 
 def bench_emitter(num_chunks: int) -> None:
@@ -141,12 +165,17 @@ def bench_emitter(num_chunks: int) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        subscriber_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        subscriber_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else None)
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=300_000)
     ap.add_argument("--chunks", type=int, default=400)
+    ap.add_argument("--auth", action="store_true", help="(a) with authentication off and on, and the ratio")
+    ap.add_argument("--rounds", type=int, default=2, help="--auth: off/on pairs to take the median of")
     args = ap.parse_args()
+    if args.auth:
+        bench_auth(args.events, args.rounds)
+        return
     bench_publisher(args.events)
     bench_emitter(args.chunks)
 

@@ -80,3 +80,10 @@ def tenant_namespace(tenant: str, namespace: str) -> str:
     another tenant's namespace reaches a namespace of its own, never the other's chunks.
     """
     return f"tenant:{tenant}/{namespace}"
+
+
+def namespace_tenant(namespace: str) -> str | None:
+    """The tenant of a namespace ``tenant_namespace`` made, or None for a namespace of no tenant."""
+    if not namespace.startswith("tenant:"):
+        return None
+    return namespace[len("tenant:"):].partition("/")[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -88,6 +89,18 @@ class Deployment:
         proc.wait_ready(lambda: services.port_open(port))
         return url
 
+    def start_kvtier_relay(self, addresses: dict) -> str:
+        """``kvtier events relay`` of the kvtier server's authenticated event stream (``start_kvtier_server``'s
+        addresses, with the subscriber key it made) to an ``ipc://`` socket of mode 0600, the supported way for a
+        router that speaks plain ZMQ; returns that endpoint."""
+        endpoint = f"ipc://{self.work}/kvtier-events.ipc"
+        proc = services.Proc("kvtier-relay", [sys.executable, "-m", "kvtier", "events", "relay", "--endpoint",
+                                              addresses["events"], "--auth-secret-file", addresses["subscriber_file"],
+                                              "--to", endpoint], self.work / "kvtier-relay.log").start()
+        self.procs.append(proc)
+        proc.wait_ready(lambda: "relaying" in proc.log_tail())
+        return endpoint
+
     def start_relay(self, worker_id: int, block_size: int, zmq_endpoint: str) -> None:
         """Dynamo's relay of ``zmq_endpoint`` (vLLM-format events) as ``worker_id``'s events (dynamo_event_relay.py)."""
         proc = self.start(f"relay-{worker_id}", [str(HERE / "dynamo_event_relay.py"), "--worker-id", str(worker_id),
@@ -104,9 +117,10 @@ def start_kvtier_server(work: Path, chunk_size: int, block_size: int, *, replay:
     """A running ``kvtier server`` hashing per ``block_size`` tokens (the engines' block size) and publishing KV
     events for those blocks, with a local-disk L2.
 
-    Returns the server and its addresses: ``url`` (requests), ``admin`` (HTTP), ``events`` (the PUB socket),
-    ``admin_headers`` (the admin token, which ``POST /clear`` needs), and with ``replay`` ``replay`` (the
-    replay socket) and ``secret_file`` (the server's secret, which the replay socket requires).
+    Returns the server and its addresses: ``url`` (requests), ``admin`` (HTTP), ``events`` (the PUB socket,
+    CurveZMQ), ``admin_headers`` (the admin token, which ``POST /clear`` needs), ``secret_file`` (the server's
+    secret), ``subscriber_file`` (a KV event subscriber's credential file, for ``Deployment.start_kvtier_relay``),
+    and with ``replay`` ``replay`` (the replay socket).
     """
     events, replay_port = services.free_port(), services.free_port()
     token = "dynamo-test-admin-token"
@@ -116,11 +130,14 @@ def start_kvtier_server(work: Path, chunk_size: int, block_size: int, *, replay:
                           token=token, extra=flags)
     addresses = {"url": server.url, "admin": server.admin, "events": f"tcp://127.0.0.1:{events}",
                  "admin_headers": {"Authorization": f"Bearer {token}"}}
-    if replay:
-        from kvtier.auth.secret_file import secret_file_for
+    from kvtier.auth.secret_file import add_tenant, secret_file_for, subscriber_credentials, write_private
 
+    addresses["secret_file"] = str(secret_file_for(addresses["url"])[0])
+    addresses["subscriber_file"] = str(work / "router.cred")
+    write_private(work / "router.cred", subscriber_credentials(add_tenant(addresses["secret_file"], "router",
+                                                                           role="subscriber"), "router"))
+    if replay:
         addresses["replay"] = f"tcp://127.0.0.1:{replay_port}"
-        addresses["secret_file"] = str(secret_file_for(addresses["url"])[0])
     return server, addresses
 
 

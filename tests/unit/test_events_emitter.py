@@ -176,3 +176,47 @@ def test_lora_salt_and_multimodal_identity_in_the_event():
     assert ev.lora_name == "sql"
     assert ev.extra_keys == [("sql", ("img-hash", 2), "s1"), ("sql", ("img-hash", -2))]
     assert ev.block_hashes == ids_of(tokens, 4, extra_keys=extra) != ids_of(tokens, 4)
+
+
+class Recorder:
+    """A publisher that records what each stream is given (``EventPublisher.publish``'s signature)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def publish(self, events, tenant=None, *, operator=True):
+        self.calls.append((tenant, operator, list(events)))
+        return len(events)
+
+    def stream(self, tenant):
+        return [e for t, op, evs in self.calls if t == tenant or (tenant is None and op) for e in evs]
+
+
+def test_a_tenants_copies_reach_its_stream_and_its_removals_wait_for_its_last_copy():
+    from kvtier.keys import tenant_namespace
+
+    s = Setup(chunk_size=8, block_size=8)
+    rec = Recorder()
+    s.em.publisher = rec
+    tokens = list(range(16))
+    ns_a, ns_b = tenant_namespace("team-a", ""), tenant_namespace("team-b", "")
+    s.stored(tokens, 0, 2, namespace=ns_a)
+    s.stored(tokens, 0, 2, namespace=ns_b)  # the same prompt: the same block hashes, another tenant's copies
+    a = [e for e in rec.stream("team-a") if isinstance(e, BlockStored)]
+    assert [t for e in a for t in e.token_ids] == tokens and len(rec.stream("team-b")) == len(a)
+    assert len([e for e in rec.stream(None) if isinstance(e, BlockStored)]) == 2 * len(a)
+    rec.calls.clear()
+    s.em.removed(s.names(tokens, 0, 2, namespace=ns_a), "CPU")
+    # team-a holds no copy any more; the operator stream still has team-b's copies of the same hashes
+    removed_a = [h for e in rec.stream("team-a") for h in e.block_hashes]
+    assert removed_a == ids_of(tokens, 8) and rec.stream("team-b") == [] and rec.stream(None) == []
+    s.em.cleared()
+    assert rec.calls[-1][0] == "*" and isinstance(rec.calls[-1][2][0], AllBlocksCleared)
+
+
+def test_token_ids_can_be_left_out_of_block_stored():
+    s = Setup(chunk_size=8, block_size=4, kv_events={"include_token_ids": False})
+    s.stored(list(range(16)), 0, 2)
+    stored = [e for e in s.em.take_events() if isinstance(e, BlockStored)]
+    assert stored and all(e.token_ids == [] for e in stored)
+    assert [h for e in stored for h in e.block_hashes] == ids_of(list(range(16)), 4)

@@ -24,8 +24,19 @@ class KeyRing:
         self.creds = creds
         self._stamp = _stamp(creds.path)
         self._keys = creds.principals()
+        self._event_keys = creds.event_principals()
 
     def principals(self) -> dict[bytes, str]:
+        """{raw client public key: ZAP User-Id} the request port accepts: the server's secret and its tenants'."""
+        self._reload()
+        return self._keys
+
+    def event_principals(self) -> dict[bytes, str]:
+        """What the KV event sockets accept: ``principals()`` and the subscriber keys (User-Id ``"*"``)."""
+        self._reload()
+        return self._event_keys
+
+    def _reload(self) -> None:
         stamp = _stamp(self.creds.path)
         if stamp != self._stamp:
             self._stamp = stamp
@@ -33,12 +44,11 @@ class KeyRing:
                 fresh = read_credentials(self.creds.path)
             except ConfigError as exc:
                 log.warning("keeping the previous keys: %s", exc)
-                return self._keys
+                return
             if fresh.secret != self.creds.secret:
                 log.warning("the secret in %s changed; the server keeps its old one until it restarts", fresh.path)
-                fresh = Credentials(fresh.path, self.creds.secret, None, None, fresh.tenants)
-            self.creds, self._keys = fresh, fresh.principals()
-        return self._keys
+                fresh = Credentials(fresh.path, self.creds.secret, None, None, fresh.tenants, fresh.subscribers)
+            self.creds, self._keys, self._event_keys = fresh, fresh.principals(), fresh.event_principals()
 
 
 def _stamp(path: Path) -> tuple:

@@ -5,12 +5,16 @@ The secret file (YAML or JSON, mode 0600, owned by the user reading it) holds::
     secret: <64 hex>            # the server's own secret: full access to every namespace
     tenants:                    # optional: tenant name -> that tenant's secret
       team-a: <64 hex>
+    subscribers:                # optional: KV event subscriber name -> its secret (reads every event, nothing else)
+      router-1: <64 hex>
 
 A tenant's engines get a credential file of their own (``kvtier auth tenant``)::
 
     tenant: team-a
     secret: <64 hex>            # team-a's secret
     server_key: <40 chars>      # the server's CurveZMQ public key (Z85), not a secret
+
+A subscriber's file (``kvtier auth subscriber``) has ``subscriber: <name>`` instead of ``tenant``.
 
 Default path: ``$XDG_RUNTIME_DIR/kvtier/server-<port>.secret`` (or ``~/.local/state/kvtier/...``), so a
 client of the same OS user on the same host finds the file from the server's URL alone.
@@ -47,6 +51,8 @@ class Credentials:
     tenant: str | None = None
     server_key: str | None = None  # Z85 public key; derived from ``secret`` when tenant is None
     tenants: dict[str, str] = field(default_factory=dict)
+    subscribers: dict[str, str] = field(default_factory=dict)
+    subscriber: str | None = None  # a subscriber credential file's name
 
     def client_keypair(self) -> tuple[bytes, bytes]:
         """(public, secret) CurveZMQ client keys, Z85."""
@@ -61,6 +67,14 @@ class Credentials:
         out = {z85.decode(curve_keypair(self.secret, "client")[0]): FULL_ACCESS}
         for name, tenant_secret in self.tenants.items():
             out[z85.decode(curve_keypair(tenant_secret, "client")[0])] = name
+        return out
+
+    def event_principals(self) -> dict[bytes, str]:
+        """``principals()`` plus the subscriber keys, which read every event (User-Id ``"*"``) and are
+        accepted on the KV event sockets only, never on the request port."""
+        out = self.principals()
+        for subscriber_secret in self.subscribers.values():
+            out.setdefault(z85.decode(curve_keypair(subscriber_secret, "client")[0]), FULL_ACCESS)
         return out
 
 
@@ -116,25 +130,33 @@ def read_credentials(path: str | os.PathLike) -> Credentials:
 def _parse(path: Path, data) -> Credentials:
     if not isinstance(data, dict) or not isinstance(data.get("secret"), str):
         raise ConfigError(f"secret file {path} must be a mapping with a 'secret' string (see kvtier.auth.secret_file)")
-    unknown = sorted(set(data) - {"secret", "tenants", "tenant", "server_key"})
+    valid = ("secret", "tenants", "subscribers", "tenant", "subscriber", "server_key")
+    unknown = sorted(set(data) - set(valid))
     if unknown:
-        raise ConfigError(f"secret file {path}: unknown keys {unknown}; valid: secret, tenants, tenant, server_key")
-    tenants = data.get("tenants") or {}
-    if not isinstance(tenants, dict):
-        raise ConfigError(f"secret file {path}: 'tenants' must map tenant names to secrets")
-    for name, value in [(None, data["secret"]), *tenants.items()]:
-        if name is not None and not _TENANT_RE.match(str(name)):
-            raise ConfigError(f"secret file {path}: tenant name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
-        if not isinstance(value, str) or len(value) < MIN_SECRET_CHARS:
-            raise ConfigError(f"secret file {path}: the secret{f' of tenant {name!r}' if name else ''} must be a "
-                              f"string of at least {MIN_SECRET_CHARS} characters (e.g. 64 hex digits)")
-    tenant, server_key = data.get("tenant"), data.get("server_key")
-    if tenant is not None and (not _TENANT_RE.match(str(tenant)) or not isinstance(server_key, str)):
-        raise ConfigError(f"secret file {path}: a tenant credential needs a valid 'tenant' name and the server's "
-                          "'server_key'; make one with: kvtier auth tenant NAME")
+        raise ConfigError(f"secret file {path}: unknown keys {unknown}; valid: {', '.join(valid)}")
+    named: dict[str, dict] = {}
+    for section, what in (("tenants", "tenant"), ("subscribers", "subscriber")):
+        named[section] = data.get(section) or {}
+        if not isinstance(named[section], dict):
+            raise ConfigError(f"secret file {path}: {section!r} must map {what} names to secrets")
+        for name, value in [(None, data["secret"]), *named[section].items()]:
+            if name is not None and not _TENANT_RE.match(str(name)):
+                raise ConfigError(f"secret file {path}: {what} name {name!r} must be 1-64 characters of "
+                                  "A-Z a-z 0-9 _ . -")
+            if not isinstance(value, str) or len(value) < MIN_SECRET_CHARS:
+                raise ConfigError(f"secret file {path}: the secret{f' of {what} {name!r}' if name else ''} must "
+                                  f"be a string of at least {MIN_SECRET_CHARS} characters (e.g. 64 hex digits)")
+    server_key = data.get("server_key")
+    for role in ("tenant", "subscriber"):
+        name = data.get(role)
+        if name is not None and (not _TENANT_RE.match(str(name)) or not isinstance(server_key, str)):
+            raise ConfigError(f"secret file {path}: a {role} credential needs a valid {role!r} name and the "
+                              f"server's 'server_key'; make one with: kvtier auth {role} NAME")
     if server_key is not None and (not isinstance(server_key, str) or len(server_key) != 40):
         raise ConfigError(f"secret file {path}: 'server_key' must be the server's 40-character Z85 public key")
-    return Credentials(path, data["secret"], tenant, server_key, {str(k): v for k, v in tenants.items()})
+    return Credentials(path, data["secret"], data.get("tenant"), server_key,
+                       {str(k): v for k, v in named["tenants"].items()},
+                       {str(k): v for k, v in named["subscribers"].items()}, data.get("subscriber"))
 
 
 def load_or_create(path: str | os.PathLike) -> tuple[Credentials, bool]:
@@ -178,15 +200,26 @@ def tenant_credentials(server: Credentials, tenant: str) -> str:
                            "server_key": server.server_public_key().decode()}, sort_keys=False)
 
 
-def add_tenant(path: str | os.PathLike, tenant: str) -> Credentials:
-    """Add ``tenant`` with a new random secret to the server secret file at ``path`` (kept if it exists).
-    Raises ConfigError for a bad name or file."""
+def subscriber_credentials(server: Credentials, subscriber: str) -> str:
+    """The YAML text of KV event subscriber ``subscriber``'s credential file."""
+    return yaml.safe_dump({"subscriber": subscriber, "secret": server.subscribers[subscriber],
+                           "server_key": server.server_public_key().decode()}, sort_keys=False)
+
+
+def add_tenant(path: str | os.PathLike, tenant: str, *, role: str = "tenant") -> Credentials:
+    """Add ``tenant`` (``role="subscriber"``: a KV event subscriber) with a new random secret to the server
+    secret file at ``path`` (kept if it exists). Raises ConfigError for a bad name or file."""
     if not _TENANT_RE.match(tenant):
-        raise ConfigError(f"tenant name {tenant!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        raise ConfigError(f"{role} name {tenant!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
     creds, _ = load_or_create(path)
-    if tenant in creds.tenants:
+    tenants, subscribers = dict(creds.tenants), dict(creds.subscribers)
+    chosen = subscribers if role == "subscriber" else tenants
+    if tenant in chosen:
         return creds
-    data = {"secret": creds.secret, "tenants": {**creds.tenants, tenant: secrets.token_hex(32)}}
+    chosen[tenant] = secrets.token_hex(32)
+    data = {"secret": creds.secret, "tenants": tenants}
+    if subscribers:
+        data["subscribers"] = subscribers
     write_private(Path(path), yaml.safe_dump(data, sort_keys=False))
     return read_credentials(path)
 

@@ -93,7 +93,7 @@ class _Section(StrictModel):
 class KVEventsConfig(_Section):
     """KV cache event publishing (vLLM ``--kv-events-config`` names where they exist)."""
 
-    renamed_fields = {"batch_max_delay_ms": "batch_max_delay_seconds"}
+    renamed_fields = {"batch_max_delay_ms": "batch_max_delay_seconds", "replay_auth": "auth"}
 
     endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
@@ -107,7 +107,10 @@ class KVEventsConfig(_Section):
     batch_max_events: int = Field(1_000, gt=0)
     batch_max_delay_seconds: float = Field(0.01, ge=0)
     data_parallel_rank: int = Field(0, ge=0)
-    replay_auth: Bool = True  # with server.auth: replay consumers need the secret (CurveZMQ); false: vLLM-compatible
+    # with server.auth: live and replay consumers need a key (CurveZMQ) and see only their tenant's events;
+    # false: plain ZMQ, vLLM-compatible, every local subscriber reads every event (token ids included)
+    auth: Bool = True
+    include_token_ids: Bool = True  # BlockStored carries the blocks' token ids (Dynamo's router needs them)
 
 
 class ServerConfig(_Section):

@@ -1,4 +1,5 @@
-"""``kvtier events subscribe``: print KV cache event batches from kvtier, vLLM or SGLang publishers."""
+"""``kvtier events subscribe``: print KV cache event batches from kvtier, vLLM or SGLang publishers;
+``kvtier events relay``: republish an authenticated stream on ``ipc://`` for plain-ZMQ routers."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def events() -> None:
 @click.option("--from-seq", type=click.IntRange(min=0), default=None,
               help="first replay every buffered batch from this seq (needs --replay-endpoint)")
 @click.option("--auth-secret-file", default=None, envvar="KVTIER_AUTH_SECRET_FILE",
-              help="the kvtier server's secret file, for a replay port that requires authentication")
+              help="the kvtier server's secret file, or a tenant's / subscriber's credential file, for a publisher "
+                   "with authentication (kv_events.auth)")
 def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_seconds, from_seq, auth_secret_file) -> None:
     """Print event batches as they arrive; missed batches are replayed, lost ones reported on stderr."""
     from kvtier.events.subscriber import Subscriber
@@ -92,3 +94,26 @@ def subscribe(endpoint, replay_endpoint, topic, as_json, max_batches, timeout_se
         if skipped:
             click.echo(f"! skipped {skipped} bad frame(s): wrong topic {s.wrong_topic}, bad seq {s.bad_seq}, "
                        f"bad payload {s.bad_payload}, bad frame count {s.bad_frames}", err=True)
+
+
+@events.command()
+@click.option("--endpoint", default="tcp://127.0.0.1:5557", show_default=True, help="the server's kv_events.endpoint")
+@click.option("--replay-endpoint", default=None, help="the server's kv_events.replay_endpoint (recovers missed batches)")
+@click.option("--auth-secret-file", required=True, envvar="KVTIER_AUTH_SECRET_FILE",
+              help="a subscriber's credential file (kvtier auth subscriber), a tenant's, or the server's secret file")
+@click.option("--to", "to", required=True, help="ipc:// path to publish on (mode 0600), e.g. ipc:///run/kvtier/events")
+@click.option("--replay-to", default=None, help="ipc:// path of a replay socket for the router")
+@click.option("--topic", default="kv-events", show_default=True, help="the server's kv_events.topic")
+@click.option("--encoding", type=click.Choice(["vllm", "vllm-legacy", "sglang"]), default="vllm", show_default=True)
+def relay(endpoint, replay_endpoint, auth_secret_file, to, replay_to, topic, encoding) -> None:
+    """Republish an authenticated kvtier event stream on ipc:// for a router on this host that speaks plain ZMQ."""
+    from kvtier.events.relay import EventRelay
+
+    with EventRelay(endpoint, replay_endpoint, auth_secret_file, to, replay_to=replay_to, topic=topic,
+                    encoding=encoding) as r:
+        click.echo(f"relaying {endpoint} to {r.endpoint}" + (f" (replay {r.replay_endpoint})" if replay_to else ""),
+                   err=True)
+        try:
+            r.run()
+        except KeyboardInterrupt:
+            pass

@@ -10,6 +10,11 @@ Bookkeeping is per medium and per copy: a copy is one full ``ChunkKey`` (model, 
 the same block hash can be held by several copies (two models, two namespaces, a partial and a full chunk that
 share a block). Each newly held copy publishes its ``BlockStored``; a ``BlockRemoved`` names a block hash only
 once no copy holding it is left in that medium (a count per (medium, block hash)).
+
+Scope (with an authenticated publisher, ``kvtier.events.streams``): a copy in a tenant's namespace
+(``keys.tenant_namespace``) is also announced on that tenant's stream, whose ``BlockRemoved`` names a block
+hash once no copy of that tenant holds it; the operator stream carries every event. The scope of each copy is
+remembered with it, so a removal (which names chunks only) reaches the stream its store reached.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from collections import Counter
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from kvtier.extra_keys import event_extra_keys, lora_name_of
 from kvtier.hashing import event_id
-from kvtier.keys import parse_name
+from kvtier.events.publisher import ALL_STREAMS
+from kvtier.keys import namespace_tenant, parse_name
 
 MEDIUMS = ("GPU", "CPU", "STORAGE")
 
@@ -30,31 +36,39 @@ class EventEmitter:
     """The interface the cache calls when chunks appear in or leave a tier.
 
     Args:
-        config: a ``KVTierConfig``; uses ``kv_events.hash_format`` (``"int"``: uint64 ids, ``"bytes"``: digests).
-        publisher: an object with ``publish(events: list[Event])`` (``EventPublisher``); None keeps events in
-            memory for ``take_events()`` (in-process users such as the vLLM connector).
+        config: a ``KVTierConfig``; uses ``kv_events.hash_format`` (``"int"``: uint64 ids, ``"bytes"``: digests)
+            and ``kv_events.include_token_ids`` (false: ``BlockStored.token_ids`` is empty).
+        publisher: an object with ``publish(events, tenant=None, *, operator=True)`` (``EventPublisher``); None
+            keeps the operator stream's events in memory for ``take_events()`` (in-process users such as the
+            vLLM connector).
 
     Thread-safe: events leave in the order the calls were made.
     """
 
     def __init__(self, config, publisher=None) -> None:
         self.raw_bytes = config.kv_events.hash_format == "bytes"
+        self.include_token_ids = getattr(config.kv_events, "include_token_ids", True)
         self.publisher = publisher
         self._lock = threading.Lock()
         self._pending: list[Event] = []
-        self._known: dict[str, dict[str, tuple]] = {}  # medium -> {chunk name: its blocks' published ids}
-        self._held: dict[str, Counter] = {}  # medium -> {published id: copies holding it}
+        # medium -> {chunk name: (its blocks' published ids, its tenant or None)}
+        self._known: dict[str, dict[str, tuple[tuple, str | None]]] = {}
+        self._held: dict[str | None, dict[str, Counter]] = {}  # tenant (None: all) -> medium -> {id: copies}
 
     # ------------------------------------------------------------------ helpers
     def _id(self, digest: bytes):
         return digest if self.raw_bytes else event_id(digest)
 
-    def _emit(self, events: list[Event]) -> None:  # called with self._lock held
+    def _counts(self, tenant: str | None, medium: str) -> Counter:
+        return self._held.setdefault(tenant, {}).setdefault(medium, Counter())
+
+    def _emit(self, events: list[Event], tenant: str | None = None, operator: bool = True) -> None:
+        # called with self._lock held: streams see the events in the order the calls were made
         if not events:
             return
         if self.publisher is not None:
-            self.publisher.publish(events)  # never blocks
-        else:
+            self.publisher.publish(events, tenant, operator=operator)  # never blocks
+        elif operator:
             self._pending.extend(events)
 
     # ------------------------------------------------------------------ the cache calls these
@@ -71,7 +85,8 @@ class EventEmitter:
         """
         with self._lock:
             known = self._known.setdefault(medium, {})
-            held = self._held.setdefault(medium, Counter())
+            tenant = namespace_tenant(refs[0].key.namespace) if refs else None  # one prompt: one namespace
+            counts = [self._counts(None, medium)] + ([self._counts(tenant, medium)] if tenant else [])
             events: list[Event] = []
             run: list = []
             announced = 0
@@ -81,15 +96,16 @@ class EventEmitter:
                     continue
                 announced += 1
                 ids = tuple(self._id(d) for d in ref.blocks.digests[_first_block(ref):_end_block(ref)])
-                known[name] = ids
-                held.update(ids)
+                known[name] = (ids, tenant)
+                for held in counts:
+                    held.update(ids)
                 if run and (ref.index != run[-1].index + 1 or ref.blocks is not run[-1].blocks):
                     events += self._stored_events(tokens, run, medium)
                     run = []
                 run.append(ref)
             if run:
                 events += self._stored_events(tokens, run, medium)
-            self._emit(events)  # under the lock: a later removal is never published before this store
+            self._emit(events, tenant)  # under the lock: a later removal is never published before this store
         return announced
 
     def _stored_events(self, tokens, run: list, medium: str) -> list[BlockStored]:
@@ -106,13 +122,15 @@ class EventEmitter:
         token_ids = tokens[lo_tok:hi_tok]
         token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
         n_full = (hi_tok - lo_tok) // bs
+        keep = self.include_token_ids
         out = []
         if n_full:
-            out.append(BlockStored(ids[:n_full], parent, token_ids[:n_full * bs], bs, None, medium, lora_name,
-                                   extra_keys=per_block[:n_full]))
+            out.append(BlockStored(ids[:n_full], parent, token_ids[:n_full * bs] if keep else [], bs, None, medium,
+                                   lora_name, extra_keys=per_block[:n_full]))
         if n_full < len(ids):
-            out.append(BlockStored(ids[n_full:], ids[n_full - 1] if n_full else parent, token_ids[n_full * bs:],
-                                   len(token_ids) - n_full * bs, None, medium, lora_name, extra_keys=per_block[n_full:]))
+            out.append(BlockStored(ids[n_full:], ids[n_full - 1] if n_full else parent,
+                                   token_ids[n_full * bs:] if keep else [], len(token_ids) - n_full * bs, None,
+                                   medium, lora_name, extra_keys=per_block[n_full:]))
         return out
 
     def removed(self, names: list[str], medium: str) -> int:
@@ -124,23 +142,26 @@ class EventEmitter:
         """
         with self._lock:
             known = self._known.get(medium, {})
-            held = self._held.setdefault(medium, Counter())
+            held = self._counts(None, medium)
             gone: list = []
+            tenant_gone: dict[str, list] = {}
             for name in names:
-                ids = known.pop(name, None)
-                if ids is None:
+                entry = known.pop(name, None)
+                if entry is None:  # its scope is unknown too: the operator stream alone hears of it
                     unknown = self._id(parse_name(name)[1])
                     if not held[unknown]:
                         del held[unknown]
                         gone.append(unknown)
                     continue
-                for i in ids:
-                    held[i] -= 1
-                    if held[i] <= 0:
-                        del held[i]
-                        gone.append(i)
+                ids, tenant = entry
+                gone += _release(held, ids)
+                if tenant is not None:
+                    tenant_gone.setdefault(tenant, []).extend(_release(self._counts(tenant, medium), ids))
             if gone:
                 self._emit([BlockRemoved(list(dict.fromkeys(gone)), medium)])
+            for tenant, ids in tenant_gone.items():
+                if ids:
+                    self._emit([BlockRemoved(list(dict.fromkeys(ids)), medium)], tenant, operator=False)
         return len(set(gone))
 
     def cleared(self, medium: str | None = None) -> None:
@@ -149,12 +170,13 @@ class EventEmitter:
             if medium is None:
                 self._known.clear()
                 self._held.clear()
-                events: list[Event] = [AllBlocksCleared()]
-            else:
-                self._known.pop(medium, None)
-                ids = list(self._held.pop(medium, {}))
-                events = [BlockRemoved(ids, medium)] if ids else []
-            self._emit(events)
+                self._emit([AllBlocksCleared()], ALL_STREAMS)
+                return
+            self._known.pop(medium, None)
+            for tenant, per_medium in self._held.items():
+                ids = list(per_medium.pop(medium, {}))
+                if ids:
+                    self._emit([BlockRemoved(ids, medium)], tenant, operator=tenant is None)
 
     def take_events(self) -> list[Event]:
         """Drain the events kept in memory (only filled when there is no publisher)."""
@@ -171,6 +193,17 @@ class EventEmitter:
         """Copies (full chunk keys) currently announced as stored in ``medium``."""
         with self._lock:
             return len(self._known.get(medium, {}))
+
+
+def _release(held: Counter, ids) -> list:
+    """Drop one copy of each of ``ids`` from ``held``; the ids no copy holds any more."""
+    gone = []
+    for i in ids:
+        held[i] -= 1
+        if held[i] <= 0:
+            del held[i]
+            gone.append(i)
+    return gone
 
 
 def _first_block(ref) -> int:

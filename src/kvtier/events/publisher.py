@@ -5,8 +5,15 @@ msgpack EventBatch]``. Replay: a ROUTER on ``replay_endpoint`` answers ``[identi
 with ``[identity, b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``, then the end
 marker ``[identity, b"", b"", 0xFF*8, b""]`` (vLLM >= 0.26 layout). The replay ROUTER is guarded
 (``kvtier.auth.zap``): a ZAP handler assigns every consumer's routing id, so no consumer can choose one that
-aborts the process; inside a server with authentication and ``replay_auth`` it also requires the
-server's CurveZMQ keys (a consumer then needs the secret file, ``kvtier events subscribe --auth-secret-file``).
+aborts the process.
+
+Authentication (``auth``: a server's ``KeyRing`` and ``kv_events.auth``): the PUB becomes a CurveZMQ XPUB and
+the replay ROUTER requires CurveZMQ too, both accepting the server's keys, its tenants' and its subscriber keys
+(``kvtier auth subscriber``); a plain ZMQ SUB gets nothing. Events are scoped (``kvtier.events.streams``): a
+tenant's connection is subscribed only to its own stream (``tenant:<name>/<topic>``: its namespaces' events,
+their own sequence numbers and replay ring), the operator's to every event. Routers that speak plain ZMQ only
+(vLLM's, Dynamo's) read a same-host relay instead (``kvtier events relay``, ``ipc://`` with file permissions).
+Without authentication the PUB is byte-compatible with vLLM's and every subscriber sees every event.
 
 Bind or connect: like vLLM, the PUB socket binds when the endpoint contains ``*`` or ``::`` or starts with
 ``ipc://`` / ``inproc://``; kvtier also binds a tcp endpoint on ``127.0.0.1``, ``localhost`` or ``0.0.0.0``
@@ -31,12 +38,15 @@ import time
 
 import zmq
 
-from kvtier.auth.zap import guarded_router
+from kvtier.auth.curve import curve_keypair
+from kvtier.auth.zap import ZapHandler, router, tenant_of
 from kvtier.errors import KVTierError
 from kvtier.events.model import Encoder, Event, EventBatch
+from kvtier.events.streams import Stream, check_topic, subscription_for, tenant_topic
 
 log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8
+ALL_STREAMS = "*"  # publish(tenant=ALL_STREAMS): every tenant stream carries the events (AllBlocksCleared)
 _LOCAL_TCP = re.compile(r"^tcp://(127\.0\.0\.1|localhost|0\.0\.0\.0|\[::1\]):")
 
 
@@ -59,7 +69,7 @@ def _open(ctx, kind: int | zmq.Socket, endpoint: str, bind: bool, what: str, snd
         hint = ("another process (another kvtier server, or vLLM) already uses it; pick a free port"
                 if exc.errno == zmq.EADDRINUSE else "check the endpoint's form, e.g. tcp://127.0.0.1:5557")
         raise KVTierError(f"cannot {'bind' if bind else 'connect'} the KV event {what} on {endpoint!r}: "
-                          f"{exc.strerror}; {hint}") from None
+                          f"{exc.strerror}; {hint}") from exc
     return sock
 
 
@@ -69,24 +79,28 @@ class EventPublisher:
     Args:
         kv_events_config: ``KVEventsConfig`` (``endpoint``, ``replay_endpoint``, ``topic``, ``encoding``, ``hwm``,
             ``buffer_steps``, ``buffer_max_bytes``, ``max_queue_size``, ``batch_max_events``, ``batch_max_delay_seconds``,
-            ``data_parallel_rank``).
-        metrics: optional ``kvtier.metrics.Metrics`` for ``kvtier_events_dropped_total`` and
-            ``kvtier_events_published_total``.
+            ``data_parallel_rank``, ``auth``).
+        metrics: optional ``kvtier.metrics.Metrics`` for ``kvtier_events_dropped_total``,
+            ``kvtier_events_published_total`` and ``kvtier_auth_refused_total{socket="events"|"replay"}``.
         bind: override the bind/connect guess for the PUB endpoint.
-        auth: the server's ``kvtier.auth.KeyRing``: with ``replay_auth`` the replay port accepts only its keys.
+        auth: the server's ``kvtier.auth.keyring.KeyRing``; with ``kv_events.auth`` both sockets accept only its
+            keys and events are scoped per tenant (module docstring). None: plain PUB, unscoped.
 
     Raises:
         KVTierError: an endpoint cannot be bound (already in use) or is malformed.
-        ConfigError: unknown encoding.
+        ConfigError: unknown encoding; a topic that cannot name the operator stream beside tenant streams.
 
-    Attributes ``endpoint`` / ``replay_endpoint`` hold the bound addresses (a ``:0`` port resolved).
+    Attributes ``endpoint`` / ``replay_endpoint`` hold the bound addresses (a ``:0`` port resolved); ``secure``
+    says whether authentication and scoping are on.
     """
 
     def __init__(self, kv_events_config, *, metrics=None, bind: bool | None = None, auth=None) -> None:
         cfg = kv_events_config
         self.topic = cfg.topic.encode()
+        self.secure = auth is not None and getattr(cfg, "auth", True)
+        if self.secure:
+            check_topic(self.topic)
         self.metrics = metrics
-        self.buffer_steps = cfg.buffer_steps
         self.max_queue_size = cfg.max_queue_size
         self.batch_max_events = cfg.batch_max_events
         self.batch_max_delay_seconds = cfg.batch_max_delay_seconds
@@ -96,54 +110,74 @@ class EventPublisher:
             bind = getattr(cfg, "bind", None)
         self._bind = should_bind(cfg.endpoint) if bind is None else bool(bind)
 
-        self._queue: collections.deque[Event] = collections.deque()
+        # (event, tenant stream or None, whether the operator stream carries it)
+        self._queue: collections.deque[tuple[Event, str | None, bool]] = collections.deque()
         self._lock = threading.Lock()
         self._first_at = 0.0  # monotonic time the oldest queued event arrived
         self._dropped_total = 0
         self._dropped_unreported = 0
         self._published_events = 0
-        self._next_seq = 0
-        # replay ring: at most buffer_steps batches and buffer_max_bytes of payload, the oldest go first
-        self._ring: collections.deque[tuple[int, bytes]] = collections.deque()
-        self._ring_bytes = 0
-        self.buffer_max_bytes = getattr(cfg, "buffer_max_bytes", 64 << 20)
+        self._ring_limits = (cfg.buffer_steps, getattr(cfg, "buffer_max_bytes", 64 << 20))
+        self._operator = Stream(self.topic, *self._ring_limits)
+        self._tenants: dict[str, Stream] = {}
         self._stop = False
 
-        self._ctx = zmq.Context()
-        self._zap = None
+        # two contexts, so each socket has its own ZAP handler (one per context) and refusals are counted per socket
+        self._ctx, self._replay_ctx = zmq.Context(), zmq.Context()
+        self._zaps: list[ZapHandler] = []
         try:
-            self._pub = _open(self._ctx, zmq.PUB, cfg.endpoint, self._bind, "publisher", cfg.hwm)
+            keys = None
+            if self.secure:
+                self._zaps.append(ZapHandler(self._ctx, auth.event_principals, self._refused("events")))
+                keys = curve_keypair(auth.creds.secret, "server")
+            self._pub = _open(self._ctx, _xpub(self._ctx, keys) if keys else zmq.PUB, cfg.endpoint, self._bind,
+                              "publisher", cfg.hwm)
             self._pub.setsockopt(zmq.LINGER, 1000)
             self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode() if self._bind else cfg.endpoint
             self._router = None
             self.replay_endpoint = None
             if cfg.replay_endpoint:
-                keyring = auth if getattr(cfg, "replay_auth", False) else None
-                self._router, self._zap = guarded_router(self._ctx, keyring, self._refused)
-                self._router = _open(self._ctx, self._router, cfg.replay_endpoint, True, "replay socket",
-                                     2 * (cfg.buffer_steps + 1))
+                principals = auth.event_principals if self.secure else None
+                self._zaps.append(ZapHandler(self._replay_ctx, principals, self._refused("replay")))
+                self._router = _open(self._replay_ctx, router(self._replay_ctx, keys), cfg.replay_endpoint, True,
+                                     "replay socket", 2 * (cfg.buffer_steps + 1))
                 self.replay_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         except BaseException:
-            if self._zap is not None:
-                self._zap.close()
+            for zap in self._zaps:
+                zap.close()
             self._ctx.destroy(linger=0)
+            self._replay_ctx.destroy(linger=0)
             raise
         # the sockets move to the thread here and are used only there from now on
         self._thread = threading.Thread(target=self._run, name="kvtier-events-publisher", daemon=True)
         self._thread.start()
 
+    @property
+    def buffer_steps(self) -> int:
+        return self._ring_limits[0]
+
     # ------------------------------------------------------------------ producer side
-    def publish(self, events: list[Event]) -> int:
+    def publish(self, events: list[Event], tenant: str | None = None, *, operator: bool = True) -> int:
         """Queue events for publishing; never blocks. Returns how many were accepted (the rest are dropped).
+
+        Args:
+            events: in order.
+            tenant: the tenant whose stream also carries them (``ALL_STREAMS``: every stream), when the
+                publisher is ``secure``; ignored otherwise.
+            operator: whether the operator stream (every subscriber, without authentication) carries them.
 
         After ``close()`` every event is dropped (and counted): a late event never fails the caller.
         """
+        if not self.secure:
+            if not operator:
+                return len(events)  # a tenant-only view of what the operator stream already says
+            tenant = None
         with self._lock:
             room = 0 if self._stop else self.max_queue_size - len(self._queue)
             take = events if len(events) <= room else events[:max(room, 0)]
             if take and not self._queue:
                 self._first_at = time.monotonic()
-            self._queue.extend(take)
+            self._queue.extend((event, tenant, operator) for event in take)
             lost = len(events) - len(take)
             if lost:
                 self._dropped_total += lost
@@ -153,12 +187,14 @@ class EventPublisher:
         return len(take)
 
     def stats(self) -> dict:
-        """``next_seq``, ``queued_events``, ``published_events``, ``dropped_events``, ``buffered_batches``,
-        ``buffered_bytes`` (payload bytes in the replay ring)."""
+        """Of the operator stream: ``next_seq``, ``buffered_batches``, ``buffered_bytes`` (payload bytes in its
+        replay ring); ``queued_events``, ``published_events`` (once per event, whatever the streams),
+        ``dropped_events``, ``tenant_streams``."""
         with self._lock:
-            return {"next_seq": self._next_seq, "queued_events": len(self._queue),
+            return {"next_seq": self._operator.next_seq, "queued_events": len(self._queue),
                     "published_events": self._published_events, "dropped_events": self._dropped_total,
-                    "buffered_batches": len(self._ring), "buffered_bytes": self._ring_bytes}
+                    "buffered_batches": len(self._operator.ring), "buffered_bytes": self._operator.ring_bytes,
+                    "tenant_streams": len(self._tenants)}
 
     def close(self, timeout_seconds: float = 10.0) -> None:
         """Publish what is queued, stop the thread, close the sockets. Idempotent."""
@@ -166,14 +202,17 @@ class EventPublisher:
             return
         self._stop = True
         self._thread.join(timeout_seconds)
-        if self._zap is not None:
-            self._zap.close()
+        for zap in self._zaps:
+            zap.close()
         if not self._thread.is_alive():  # the thread closed its sockets; term waits for PUB's linger
             self._ctx.term()
+            self._replay_ctx.term()
 
-    def _refused(self, mechanism: str, address: str) -> None:
-        if self.metrics is not None:
-            self.metrics.inc("kvtier_auth_refused_total", socket="replay")
+    def _refused(self, socket: str):
+        def count(mechanism: str, address: str) -> None:
+            if self.metrics is not None:
+                self.metrics.inc("kvtier_auth_refused_total", socket=socket)
+        return count
 
     def __enter__(self):
         return self
@@ -182,7 +221,7 @@ class EventPublisher:
         self.close()
 
     # ------------------------------------------------------------------ publisher thread
-    def _take_batch(self) -> list[Event] | None:
+    def _take_batch(self) -> list[tuple[Event, str | None, bool]] | None:
         with self._lock:
             if not self._queue:
                 return None
@@ -196,70 +235,137 @@ class EventPublisher:
                 self._first_at = time.monotonic()
             return out
 
-    def _send(self, events: list[Event]) -> None:
-        payload = self._encoder.encode(EventBatch(time.time(), events, self.data_parallel_rank))
-        seq = self._next_seq
+    def _send(self, items: list[tuple[Event, str | None, bool]]) -> None:
+        per_stream: dict[str | None, list[Event]] = {}
+        for event, tenant, operator in items:
+            if operator:
+                per_stream.setdefault(None, []).append(event)
+            if tenant == ALL_STREAMS:
+                for name in list(self._tenants):
+                    per_stream.setdefault(name, []).append(event)
+            elif tenant is not None:
+                per_stream.setdefault(tenant, []).append(event)
         with self._lock:
-            self._next_seq += 1
-            self._published_events += len(events)
+            self._published_events += len(items)
             lost, self._dropped_unreported = self._dropped_unreported, 0
+        for i, (tenant, events) in enumerate(per_stream.items()):
+            self._send_stream(self._stream(tenant), events, lost if i == 0 else 0)
+        if self.metrics is not None:
+            self.metrics.inc("kvtier_events_published_total", len(items))
+
+    def _stream(self, tenant: str | None) -> Stream:
+        if tenant is None:
+            return self._operator
+        stream = self._tenants.get(tenant)
+        if stream is None:
+            with self._lock:
+                stream = self._tenants[tenant] = Stream(tenant_topic(tenant, self.topic), *self._ring_limits)
+        return stream
+
+    def _send_stream(self, stream: Stream, events: list[Event], lost: int) -> None:
+        payload = self._encoder.encode(EventBatch(time.time(), events, self.data_parallel_rank))
+        with self._lock:
+            seq = stream.take_seq()
         if lost:
             log.warning("KV events: %d event(s) dropped before batch seq %d (queue of %d full); "
                         "a consumer's index may miss them", lost, seq, self.max_queue_size)
         try:
-            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._pub.send_multipart((stream.topic, seq.to_bytes(8, "big"), payload), copy=False)
         except zmq.ZMQError as exc:  # the seq is used: a consumer sees a gap and can replay it
             log.error("KV events: sending batch seq %d failed: %s", seq, exc)
         with self._lock:
-            self._ring.append((seq, payload))
-            self._ring_bytes += len(payload)
-            while len(self._ring) > self.buffer_steps or self._ring_bytes > self.buffer_max_bytes:
-                self._ring_bytes -= len(self._ring.popleft()[1])
-        if self.metrics is not None:
-            self.metrics.inc("kvtier_events_published_total", len(events))
+            stream.keep(seq, payload)
+
+    def _serve_subscriptions(self) -> None:
+        """XPUB_MANUAL: subscribe each connection to what its ZAP User-Id may see (streams.subscription_for);
+        the ``setsockopt`` right after a ``recv`` applies to the connection that sent it."""
+        while True:
+            try:
+                frame = self._pub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            body = frame.bytes
+            if not body or body[0] not in (0, 1):
+                continue
+            try:
+                user = frame.get("User-Id")
+            except zmq.ZMQError:
+                user = None
+            chosen = subscription_for(user, body[1:], self.topic)
+            if chosen is not None:
+                self._pub.setsockopt(zmq.SUBSCRIBE if body[0] == 1 else zmq.UNSUBSCRIBE, chosen)
+
+    def _replay_stream(self, ident) -> Stream | None:
+        if not self.secure:
+            return self._operator
+        authenticated, tenant = tenant_of(ident)
+        if not authenticated:
+            return None
+        return self._operator if tenant is None else self._tenants.get(tenant)
 
     def _serve_replay(self) -> None:
         while True:
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            if len(frames) != 3 or frames[1].bytes != b"" or len(frames[2].bytes) != 8:
                 log.warning("KV events: ignoring a malformed replay request of %d frame(s); "
                             "expected [b'', start_seq (8 bytes)] from a DEALER", len(frames))
                 continue
-            ident, start = frames[0], int.from_bytes(frames[2], "big")
+            ident, start = frames[0].bytes, int.from_bytes(frames[2].bytes, "big")
+            stream = self._replay_stream(frames[0])
             with self._lock:
-                ring = list(self._ring)
+                ring = stream.since(start) if stream is not None else []
+            topic = stream.topic if stream is not None else b""
             # zero-copy: every requester's queue references the ring's payloads instead of holding copies; past
             # the socket's high-water mark (2 x buffer_steps messages) a requester that never reads gets nothing
             for seq, payload in ring:
-                if seq >= start:
-                    self._router.send_multipart((ident, b"", self.topic, seq.to_bytes(8, "big"), payload), copy=False)
+                self._router.send_multipart((ident, b"", topic, seq.to_bytes(8, "big"), payload), copy=False)
             self._router.send_multipart((ident, b"", b"", END_SEQ, b""))
 
     def _run(self) -> None:
         poller = zmq.Poller()
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
+        if self.secure:
+            poller.register(self._pub, zmq.POLLIN)
         try:
             while True:
                 batch = self._take_batch()
                 if batch:
                     self._send(batch)
-                    if self._router is not None:
-                        self._serve_replay()
+                    self._serve_sockets(poller, 0)
                     continue
                 if self._stop and not self._queue:
                     break
-                # idle or waiting for a batch to fill: sleep on the replay socket (short, bounded)
+                # idle or waiting for a batch to fill: sleep on the sockets (short, bounded)
                 wait_seconds = 0.002 if self._queue else 0.005
-                if self._router is not None:
-                    if poller.poll(wait_seconds * 1000):
-                        self._serve_replay()
-                else:
+                if not self._serve_sockets(poller, wait_seconds):
                     time.sleep(wait_seconds)
         finally:
             self._pub.close()
             if self._router is not None:
                 self._router.close(linger=0)
+
+    def _serve_sockets(self, poller: zmq.Poller, wait_seconds: float) -> bool:
+        """Answer replay requests and subscriptions; False when there is no socket to wait on."""
+        if self._router is None and not self.secure:
+            return False
+        ready = dict(poller.poll(wait_seconds * 1000))
+        if self._pub in ready:
+            self._serve_subscriptions()
+        if self._router is not None and self._router in ready:
+            self._serve_replay()
+        return True
+
+
+def _xpub(ctx: zmq.Context, curve_keys: tuple[bytes, bytes]) -> zmq.Socket:
+    """A CurveZMQ XPUB guarded by the context's ZAP handler, subscribing each connection itself."""
+    sock = ctx.socket(zmq.XPUB)
+    sock.zap_domain = b"kvtier"
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    sock.curve_server = True
+    sock.curve_publickey, sock.curve_secretkey = curve_keys
+    sock.setsockopt(zmq.XPUB_MANUAL, 1)
+    return sock

@@ -25,6 +25,7 @@ from kvtier.auth.secret_file import read_credentials
 from kvtier.errors import KVTierError
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, EventBatch, decode_batch
 from kvtier.events.publisher import END_SEQ
+from kvtier.events.streams import tenant_topic
 
 log = logging.getLogger(__name__)
 CATCH_UP_RETRY_SECONDS = 1.0  # an unanswered catch-up is asked again after this long without a live batch
@@ -76,8 +77,10 @@ class Subscriber:
         on_gap: called with each ``Gap``; default logs a warning.
         replay_timeout_seconds: how long one replay request may take before its range is reported as a gap.
         raw_hashes: keep hashes as sent instead of normalising to uint64 ints.
-        secret_file: the kvtier server's secret file (or a tenant credential file), for a replay port that
-            requires authentication (``kv_events.replay_auth``); None replays without it.
+        secret_file: the kvtier server's secret file, a tenant's or a subscriber's credential file
+            (``kvtier auth tenant`` / ``kvtier auth subscriber``), for a publisher with authentication
+            (``kv_events.auth``): both sockets then speak CurveZMQ, and a tenant's file reads that tenant's
+            stream (topic ``tenant:<name>/<topic>``, ``kvtier.events.streams``); None: plain ZMQ.
 
     Raises:
         KVTierError: an endpoint is malformed (from the constructor).
@@ -88,7 +91,8 @@ class Subscriber:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", *,
                  start_seq: int | None = None, on_gap=None, replay_timeout_seconds: float = 2.0,
                  raw_hashes: bool = False, bind: bool = False, secret_file: str | None = None) -> None:
-        self.topic = topic.encode()
+        self._topic_asked = topic.encode()
+        self._endpoint, self._bind = endpoint, bind
         self.replay_endpoint = replay_endpoint
         self.on_gap = on_gap or _default_on_gap
         self.replay_timeout_seconds = replay_timeout_seconds
@@ -96,18 +100,16 @@ class Subscriber:
         self._creds = read_credentials(secret_file) if secret_file else None
         self.stats = SubscriberStats()
         self._dealer = None
+        self._sub = None
         self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        self._sub.setsockopt(zmq.RCVHWM, 0)
         try:
-            (self._sub.bind if bind else self._sub.connect)(endpoint)
+            self._open_sub()
             if replay_endpoint:
                 self._open_dealer()
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise KVTierError(f"cannot open KV event subscriber on {endpoint!r} (replay {replay_endpoint!r}): "
-                              f"{exc.strerror}; use an address like tcp://127.0.0.1:5557") from None
+                              f"{exc.strerror}; use an address like tcp://127.0.0.1:5557") from exc
         self._ready: collections.deque = collections.deque()
         self._last: int | None = None  # highest seq delivered (or given up on)
         self._live_last: int | None = None  # highest seq seen on the live socket
@@ -119,13 +121,33 @@ class Subscriber:
     def gaps(self) -> list[Gap]:
         return self.stats.gaps
 
+    def _open_sub(self) -> None:
+        """(Re)open the live SUB with the current credentials: a tenant reads its own stream's topic."""
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        tenant = self._creds.tenant if self._creds is not None else None
+        self.topic = tenant_topic(tenant, self._topic_asked) if tenant else self._topic_asked
+        self._sub = self._ctx.socket(zmq.SUB)
+        if self._creds is not None:
+            apply_client(self._sub, self._creds)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        (self._sub.bind if self._bind else self._sub.connect)(self._endpoint)
+        if tenant and not self._topic_asked:
+            self.topic = b""  # every topic of the tenant's prefix is accepted
+
     def use_secret_file(self, secret_file: str) -> None:
-        """Authenticate later replay requests with ``secret_file`` (e.g. one the server created after this
-        subscriber started). Raises ConfigError: the file is missing, unsafe or malformed."""
-        self._creds = read_credentials(secret_file)
+        """Authenticate with ``secret_file`` from now on (e.g. one the server created after this subscriber
+        started): both sockets are reopened with it, and batches sent meanwhile come back through replay.
+        Raises ConfigError: the file is missing, unsafe or malformed."""
+        creds = read_credentials(secret_file)
+        if self._creds is not None and creds.secret == self._creds.secret and creds.path == self._creds.path:
+            return
+        self._creds = creds
         if self._dealer is not None:
             self._dealer.close()
             self._dealer = None
+        self._open_sub()
 
     def drop_next(self, num_frames: int) -> None:
         """Fault injection: discard the next ``num_frames`` live messages, as a lossy network would."""

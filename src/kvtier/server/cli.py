@@ -188,3 +188,28 @@ def tenant(name: str, port: int, secret_file: str | None, out: str) -> None:
     creds = add_tenant(path, name)
     write_private(Path(out), tenant_credentials(creds, name))
     click.echo(f"tenant {name!r} is in {path}; its credential file is {out} (mode 0600): hand it to its engines")
+
+
+@auth.command("subscriber")
+@click.argument("name")
+@click.option("--port", type=click.IntRange(1, 65535), default=5555, show_default=True,
+              help="The server's port (names its default secret file).")
+@click.option("--secret-file", type=click.Path(dir_okay=False), default=None,
+              help="The server's secret file [default: the one for --port].")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Where to write the subscriber's credential file.")
+def subscriber(name: str, port: int, secret_file: str | None, out: str) -> None:
+    """Add KV event subscriber NAME to the server's secret file and write its credential file.
+
+    Its key reads every tenant's KV events (live and replay; kvtier events subscribe / relay
+    --auth-secret-file) and is refused on the request port: give it to routers, not engines.
+    """
+    from pathlib import Path
+
+    from kvtier.auth.secret_file import add_tenant, check_writable, default_secret_file, subscriber_credentials, write_private
+
+    path = Path(secret_file) if secret_file else default_secret_file(port)
+    check_writable(Path(out))
+    creds = add_tenant(path, name, role="subscriber")
+    write_private(Path(out), subscriber_credentials(creds, name))
+    click.echo(f"subscriber {name!r} is in {path}; its credential file is {out} (mode 0600): hand it to the router "
+               "(kvtier events subscribe / relay --auth-secret-file)")

@@ -42,9 +42,10 @@ def deployment(tmp_path_factory):
         server, addresses = start_kvtier_server(work, CHUNK, BLOCK)
         worker_a = dep.start_mocker("mocker-a", BLOCK, "--no-enable-prefix-caching")  # events: kvtier's only
         worker_b = dep.start_mocker("mocker-b", BLOCK)
-        dep.start_relay(worker_a, BLOCK, addresses["events"])
+        plain = dep.start_kvtier_relay(addresses)  # Dynamo's subscribers speak plain ZMQ: kvtier's relay over ipc
+        dep.start_relay(worker_a, BLOCK, plain)
         frontend = dep.start_frontend()
-        indexer = dep.start_indexer({worker_a: addresses["events"]}, BLOCK)
+        indexer = dep.start_indexer({worker_a: plain}, BLOCK)
         probe = RouterProbe(dep, BLOCK)
         yield {"a": str(worker_a), "b": str(worker_b), "frontend": frontend, "indexer": indexer, "probe": probe,
                **addresses}

@@ -68,10 +68,10 @@ class Attack:
         self.ctx.destroy(linger=0)  # also when the test fails: a collected context with open sockets blocks
 
 
-def events_config(replay_auth: bool) -> dict:
+def events_config(events_auth: bool) -> dict:
     return {"enable_kv_events": True,
             "kv_events": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
-                          "batch_max_delay_seconds": 0.001, "replay_auth": replay_auth}}
+                          "batch_max_delay_seconds": 0.001, "auth": events_auth}}
 
 
 def serves_a_real_client(server: ServerProc, config: dict, seed: int, secret_file=None) -> None:
@@ -90,7 +90,7 @@ def serves_a_real_client(server: ServerProc, config: dict, seed: int, secret_fil
 
 
 def test_chosen_routing_ids_cannot_abort_an_authenticating_server(tmp_path):
-    config = events_config(replay_auth=True)
+    config = events_config(events_auth=True)
     with Attack() as attack, ServerProc(tmp_path, config=config) as server:
         secret = default_secret_file(server.port)
         creds = read_credentials(secret)
@@ -110,7 +110,7 @@ def test_chosen_routing_ids_cannot_abort_an_authenticating_server(tmp_path):
 
 
 def test_chosen_routing_ids_cannot_abort_a_server_without_auth(tmp_path):
-    config = events_config(replay_auth=False)  # a replay port vLLM-compatible consumers can use
+    config = events_config(events_auth=False)  # a replay port vLLM-compatible consumers can use
     with Attack() as attack, ServerProc(tmp_path, config=config, extra=("--no-auth",)) as server:
         wait_for(lambda: "authentication is OFF" in server.log(), what="the --no-auth warning")
         for url in (server.url, config["kv_events"]["replay_endpoint"]):
