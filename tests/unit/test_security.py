@@ -161,3 +161,33 @@ def test_status_redaction_shows_settings_whose_names_merely_contain_a_secret_wor
     text = repr(out)
     for secret in ("ADMINTOKEN", "RECORDKEY", "AKID", "SAK", "PW"):
         assert secret not in text
+
+
+def test_a_subscriber_key_is_accepted_on_the_event_sockets_only(tmp_path):
+    from kvtier.auth.secret_file import subscriber_credentials
+    from zmq.utils import z85
+
+    path = tmp_path / "server.secret"
+    load_or_create(path)
+    ring = KeyRing(read_credentials(path))
+    creds = add_tenant(path, "router-1", role="subscriber")
+    out = tmp_path / "router-1.cred"
+    out.write_text(subscriber_credentials(creds, "router-1"))
+    out.chmod(0o600)
+    sub = read_credentials(out)
+    assert sub.subscriber == "router-1" and sub.tenant is None and sub.server_public_key() == creds.server_public_key()
+    key = z85.decode(sub.client_keypair()[0])
+    assert ring.event_principals().get(key) == FULL_ACCESS  # picked up without a restart
+    assert key not in ring.principals()
+    assert add_tenant(path, "router-1", role="subscriber").subscribers == creds.subscribers  # kept, not renewed
+
+
+def test_an_authenticated_publisher_refuses_a_topic_that_overlaps_tenant_streams(tmp_path):
+    from kvtier.config import KVEventsConfig
+    from kvtier.events import EventPublisher
+
+    creds, _ = load_or_create(tmp_path / "server.secret")
+    with pytest.raises(ConfigError, match="kv_events.topic 'tenant' cannot be used"):
+        EventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0", topic="tenant"), auth=KeyRing(creds))
+    # without authentication the same topic is a plain vLLM-compatible PUB
+    EventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0", topic="tenant")).close()
