@@ -21,6 +21,12 @@ class RecordAuthError(CorruptRecordError):
     """A stored chunk record's tag (``l2_record_key``) is missing or wrong: forged, or written without the key."""
 
 
+class ForeignRecordError(CorruptRecordError):
+    """A stored chunk record is signed with a record key this reader does not hold (another deployment's, or
+    a key rotated out), or signed while this reader has none: not servable here, but not damaged either, so
+    it is a miss that is never deleted (``kvtier_l2_foreign_records_total``)."""
+
+
 class StorageError(KVTierError):
     """An L2 adapter operation failed. The cache turns it into a miss plus a metric."""
 

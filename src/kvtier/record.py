@@ -15,6 +15,13 @@ Record authentication (format version 2, for L2 stores several parties can write
 SHA-256 here, so signing costs little store throughput) or ``"hmac-sha256"`` (standard library only).
 A reader with the key accepts either and refuses (RecordAuthError) a wrong tag and a record written
 without a key (``auth`` ``"none"``, no tag; format version 1 records are such records).
+
+Key rotation and shared stores (``RecordKeys``): a signed header names its key by ``key_id`` (8 bytes of
+HMAC-SHA256(key, "kvtier record key id"): identifies, never reveals). A reader accepts the signing key and
+a list of verification keys; a record signed with a key it does not hold, or signed while the reader has no
+key at all (unless ``accept_unverified``), raises ForeignRecordError: a miss the cache keeps (another
+deployment's valid data), unlike a wrong tag under a known key (RecordAuthError: forged, deleted). A record
+signed before key ids existed (no ``key_id``) is tried with every accepted key; failing all, it is foreign.
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from dataclasses import dataclass
 
 import msgspec
 import xxhash
 
-from kvtier.errors import CorruptRecordError, RecordAuthError
+from kvtier.errors import CorruptRecordError, ForeignRecordError, RecordAuthError
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 
@@ -52,30 +60,70 @@ class RecordHeader(msgspec.Struct, array_like=True, frozen=True):
     checksum: int
     encoding: str = "raw"
     auth: str = "none"  # or one of AUTH_ALGORITHMS: a TAG_BYTES tag follows the payload
+    key_id: bytes = b""  # with auth: record_key_id() of the signing key (older signed records: empty)
 
     @property
     def key(self) -> ChunkKey:
         return ChunkKey(self.model, self.layout_id, self.namespace, self.prefix_hash)
 
 
+def record_key_id(key: bytes) -> bytes:
+    """8 bytes naming a record key in headers; a one-way function of it."""
+    return hmac.digest(key, b"kvtier record key id", "sha256")[:8]
+
+
+@dataclass(frozen=True)
+class RecordKeys:
+    """The record keys of one reader / writer.
+
+    Attributes:
+        signing: ``l2_record_key`` (new records are signed with it), or None.
+        verifying: ``l2_record_verify_keys``: further keys whose records are accepted (a rotation's old key,
+            a second deployment sharing the store).
+        accept_unverified: ``l2_accept_signed_records``: with no key at all, serve signed records without
+            checking their tag (the checksum still is); default: refused as foreign.
+    """
+
+    signing: bytes | None = None
+    verifying: tuple[bytes, ...] = ()
+    accept_unverified: bool = False
+
+    @classmethod
+    def of(cls, value: bytes | RecordKeys | None) -> RecordKeys:
+        """``value`` as RecordKeys: a single key (bytes) is the signing key; None: no keys."""
+        if isinstance(value, RecordKeys):
+            return value
+        return cls(signing=value)
+
+    @property
+    def any(self) -> bool:
+        return self.signing is not None or bool(self.verifying)
+
+    def accepted(self) -> dict[bytes, bytes]:
+        """key id -> key, for every key this reader accepts."""
+        keys = ([self.signing] if self.signing is not None else []) + list(self.verifying)
+        return {record_key_id(k): k for k in keys}
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(RecordHeader)
 
 
-def encode_record(key: ChunkKey, layout: KVLayout, token_ids: list[int], payload, auth_key: bytes | None = None,
-                  auth: str = "blake3", checksum: int | None = None) -> list:
-    """Return ``[header_bytes, payload]``, plus the tag of MAC ``auth`` (``AUTH_ALGORITHMS``) with ``auth_key``;
-    write the parts, in order, to store the record.
+def encode_record(key: ChunkKey, layout: KVLayout, token_ids: list[int], payload,
+                  auth_key: bytes | RecordKeys | None = None, auth: str = "blake3", checksum: int | None = None) -> list:
+    """Return ``[header_bytes, payload]``, plus the tag of MAC ``auth`` (``AUTH_ALGORITHMS``) with ``auth_key``
+    (a key, or ``RecordKeys`` whose signing key is used); write the parts, in order, to store the record.
 
     ``payload`` is any buffer (bytes, memoryview, numpy array); it is not copied. ``checksum``: the payload's
     xxh3-64 as taken earlier (when the chunk was committed), so bytes that changed since fail verification;
     None: computed here.
     """
     view = memoryview(payload).cast("B")
+    auth_key = RecordKeys.of(auth_key).signing
     header = RecordHeader(key.model, key.layout_id, key.namespace, key.prefix_hash, layout.to_dict(),
                           list(token_ids), view.nbytes,
                           xxhash.xxh3_64_intdigest(view) if checksum is None else checksum,
-                          auth=auth if auth_key else "none")
+                          auth=auth if auth_key else "none", key_id=record_key_id(auth_key) if auth_key else b"")
     body = _encoder.encode(header)
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
     return [head, view, _tag(auth, auth_key, head, view)] if auth_key else [head, view]
@@ -119,16 +167,19 @@ def decode_header(buf) -> tuple[RecordHeader, int]:
 
 
 def decode_record(buf, key: ChunkKey | None = None, token_ids: list[int] | None = None,
-                  auth_key: bytes | None = None) -> tuple[RecordHeader, memoryview]:
+                  auth_key: bytes | RecordKeys | None = None) -> tuple[RecordHeader, memoryview]:
     """Verify a whole record and return (header, payload view into ``buf``).
 
-    ``auth_key``: the ``l2_record_key``; with it, the record must carry a valid tag of one of
-    ``AUTH_ALGORITHMS``. Without it a tag is not checked (the checksum still is).
+    ``auth_key``: the ``l2_record_key`` (bytes) or the reader's ``RecordKeys``; with a key, the record must
+    carry a valid tag of one of ``AUTH_ALGORITHMS`` under a key it accepts. Without any, a signed record is
+    foreign unless ``accept_unverified`` (then its tag is not checked; the checksum still is).
 
     Raises:
         CorruptRecordError: bad magic/version, truncated, checksum mismatch, or a key / token ids
             different from the expected ones (a hash collision or a misplaced file).
-        RecordAuthError (a CorruptRecordError): with ``auth_key``, a wrong tag or a record without one.
+        RecordAuthError (a CorruptRecordError): with a key, a wrong tag under a key it holds, or no tag.
+        ForeignRecordError (a CorruptRecordError): signed with a key it does not hold, or signed while it has
+            none (module docstring): keep the record, serve a miss.
     """
     header, offset = decode_header(buf)
     view = memoryview(buf).cast("B")
@@ -142,13 +193,31 @@ def decode_record(buf, key: ChunkKey | None = None, token_ids: list[int] | None 
         raise CorruptRecordError(f"record payload is {payload.nbytes} bytes, header says {header.payload_bytes}")
     if xxhash.xxh3_64_intdigest(payload) != header.checksum:
         raise CorruptRecordError("record checksum mismatch")
-    if auth_key is not None:
+    keys = RecordKeys.of(auth_key)
+    if keys.any:
         if not tag_bytes:
             raise RecordAuthError("record written without the record key (l2_record_key), which this reader requires")
-        if not hmac.compare_digest(_tag(header.auth, auth_key, view[:offset], payload), view[view.nbytes - TAG_BYTES:]):
-            raise RecordAuthError("record tag does not match: forged, or written with another l2_record_key")
+        _check_tag(header, keys.accepted(), view[:offset], payload, view[view.nbytes - TAG_BYTES:])
+    elif tag_bytes and not keys.accept_unverified:
+        raise ForeignRecordError("record is signed with a record key and this server has none: set the same "
+                                 "l2_record_key (or list it in l2_record_verify_keys), or l2_accept_signed_records: "
+                                 "true to serve signed records unchecked")
     if key is not None and header.key != key:
         raise CorruptRecordError("record belongs to another key")
     if token_ids is not None and list(token_ids) != header.token_ids:
         raise CorruptRecordError("record token ids differ from the requested tokens")
     return header, payload
+
+
+def _check_tag(header: RecordHeader, accepted: dict[bytes, bytes], head, payload, tag) -> None:
+    if header.key_id:
+        chosen = accepted.get(header.key_id)
+        if chosen is None:
+            raise ForeignRecordError(f"record signed with a record key this server does not hold (key id "
+                                     f"{header.key_id.hex()}); list that key in l2_record_verify_keys to read it")
+        if not hmac.compare_digest(_tag(header.auth, chosen, head, payload), tag):
+            raise RecordAuthError("record tag does not match its record key: forged or damaged")
+        return
+    if not any(hmac.compare_digest(_tag(header.auth, k, head, payload), tag) for k in accepted.values()):
+        raise ForeignRecordError("record (signed before key ids) matches none of this server's record keys: "
+                                 "another deployment's, or forged")

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from kvtier.errors import CorruptRecordError, InputError, RecordAuthError
+from kvtier.errors import CorruptRecordError, ForeignRecordError, InputError, RecordAuthError
 from kvtier.keys import ChunkKey, namespace_of, parse_name
 from kvtier.layout import KVLayout
-from kvtier.record import decode_record, encode_record
+from kvtier.record import RecordKeys, decode_record, encode_record, record_key_id
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=4)
 
@@ -83,18 +83,55 @@ def test_authenticated_records_need_the_key(auth):
     signed = b"".join(bytes(p) for p in encode_record(key, LAYOUT, [1, 2, 3, 4], payload, auth_key=record_key, auth=auth))
     header, view = decode_record(signed, key, [1, 2, 3, 4], auth_key=record_key)
     assert header.auth == auth and bytes(view) == payload.tobytes()
-    assert bytes(decode_record(signed, key)[1]) == payload.tobytes()  # no key: the checksum alone is checked
-    with pytest.raises(RecordAuthError, match="does not match"):
+    # issue 22: a reader without a key refuses a signed record unless told to serve it unchecked
+    with pytest.raises(ForeignRecordError, match="this server has none"):
+        decode_record(signed, key)
+    unchecked = RecordKeys(accept_unverified=True)
+    assert bytes(decode_record(signed, key, auth_key=unchecked)[1]) == payload.tobytes()
+    # another deployment's key: foreign (kept by the cache), not forged (deleted)
+    with pytest.raises(ForeignRecordError, match="does not hold"):
         decode_record(signed, key, auth_key=b"x" * 32)
     with pytest.raises(RecordAuthError, match="without the record key"):
         decode_record(plain, key, auth_key=record_key)
-    # a forger who can write the store: another payload with a correct checksum, under the old tag
+    # a forger who can write the store: another payload with a correct checksum and our key id, under the old tag
     forged_payload = payload.copy()
     forged_payload[0] += 1
-    head, _, tag = encode_record(key, LAYOUT, [1, 2, 3, 4], forged_payload, auth_key=b"forger's key", auth=auth)
+    head, _, tag = encode_record(key, LAYOUT, [1, 2, 3, 4], forged_payload, auth_key=record_key, auth=auth)
     forged = bytes(head) + forged_payload.tobytes() + bytes(signed[-32:])
-    with pytest.raises(RecordAuthError):
+    with pytest.raises(RecordAuthError, match="forged"):
         decode_record(forged, key, [1, 2, 3, 4], auth_key=record_key)
+
+
+def test_a_rotated_key_keeps_its_records_readable():
+    key, payload, _ = _record()
+    old, new = b"o" * 32, b"n" * 32
+    signed_old = b"".join(bytes(p) for p in encode_record(key, LAYOUT, [1, 2, 3, 4], payload, auth_key=old))
+    rotated = RecordKeys(signing=new, verifying=(old,))
+    header, view = decode_record(signed_old, key, [1, 2, 3, 4], auth_key=rotated)
+    assert header.key_id == record_key_id(old) != record_key_id(new) and bytes(view) == payload.tobytes()
+    signed_new = b"".join(bytes(p) for p in encode_record(key, LAYOUT, [1, 2, 3, 4], payload, auth_key=rotated))
+    assert decode_record(signed_new, key, auth_key=new)[0].key_id == record_key_id(new)
+    with pytest.raises(ForeignRecordError):
+        decode_record(signed_new, key, auth_key=old)  # the old deployment does not hold the new key
+
+
+def test_records_signed_before_key_ids_are_tried_with_every_accepted_key():
+    key, payload, _ = _record()
+    old = b"o" * 32
+    parts = encode_record(key, LAYOUT, [1, 2, 3, 4], payload, auth_key=old)
+    import struct
+
+    import msgspec
+
+    header = msgspec.msgpack.decode(bytes(parts[0])[10:])[:-1]  # the header without its key id
+    body = msgspec.msgpack.encode(header)
+    head = struct.pack(">4sHI", b"KVTR", 2, len(body)) + body
+    from kvtier.record import _tag
+
+    legacy = head + payload.tobytes() + _tag("blake3", old, head, payload.tobytes())
+    assert bytes(decode_record(legacy, key, auth_key=RecordKeys(b"n" * 32, (old,)))[1]) == payload.tobytes()
+    with pytest.raises(ForeignRecordError, match="before key ids"):
+        decode_record(legacy, key, auth_key=b"n" * 32)
 
 
 def test_format_version_1_records_are_still_read():

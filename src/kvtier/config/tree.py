@@ -192,6 +192,9 @@ class KVTierConfig(_Section):
     l2_promote_to_faster_l2: Bool = False  # also copy hits into L2 adapters ahead of the one that had it
     l2_record_key: pydantic.SecretStr | None = None  # key authenticating L2 records (KVTIER_L2_RECORD_KEY)
     l2_record_auth: Literal["blake3", "hmac-sha256"] = "blake3"  # the MAC new records are signed with
+    # further keys whose records are read (a rotation's old key, another deployment on the same store)
+    l2_record_verify_keys: list[pydantic.SecretStr] = []
+    l2_accept_signed_records: Bool = False  # without any record key: serve signed records unchecked
     lookup_memo_max_bytes: int = Field(64 << 20, ge=0)  # chunk refs of recent prompts kept to skip re-hashing
     enable_kv_events: Bool = False
     kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
