@@ -5,9 +5,15 @@ Layout (all integers big-endian)::
     magic b"KVTR" | u16 format version | u32 header length | header (msgpack) | payload (raw KV bytes) | tag
 
 The header holds the key, the KV layout, the chunk's token ids, the payload length, the payload's
-xxh3-64 checksum, the payload encoding (``"raw"``) and the record authentication (``auth``). A reader
-checks all of them: any mismatch raises CorruptRecordError, which the cache turns into a miss, a delete
-and a metric. The checksum catches accidents; it is no defence against someone who can write the store.
+xxh3-64 checksum, the payload encoding and the record authentication (``auth``). A reader checks all of
+them: any mismatch raises CorruptRecordError, which the cache turns into a miss, a delete and a metric.
+The checksum catches accidents; it is no defence against someone who can write the store.
+
+Encoding (format version 3, ``kvtier.codecs``): ``encoding`` is ``"raw"`` or a codec name (``"lz4"``,
+``"fp8_e4m3+zstd"``) and ``codec_params`` what its decoder needs; ``payload_bytes`` and ``checksum`` then
+describe the encoded bytes, and ``decode_payload`` turns them back into the chunk the layout and the token
+count describe (checked). A codec this reader does not have raises UnknownCodecError (keep the record: a
+newer kvtier may read it); one whose bytes do not decode raises CodecError (a corrupt record).
 
 Record authentication (format version 2, for L2 stores several parties can write): with a key
 (``l2_record_key``), ``auth`` names the MAC and ``tag`` (32 bytes) authenticates everything before it:
@@ -39,8 +45,9 @@ from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 
 MAGIC = b"KVTR"
-FORMAT_VERSION = 2  # 2: ``auth`` and the tag; version 1 records (no auth) are still read
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2: ``auth`` and the tag; 3: key ids and codecs; versions 1-2 are still read
+READ_VERSIONS = (1, 2, 3)
+RAW_ENCODINGS = ("raw", "none")
 AUTH_ALGORITHMS = ("blake3", "hmac-sha256")
 TAG_BYTES = 32
 _PREFIX = struct.Struct(">4sHI")
@@ -61,6 +68,12 @@ class RecordHeader(msgspec.Struct, array_like=True, frozen=True):
     encoding: str = "raw"
     auth: str = "none"  # or one of AUTH_ALGORITHMS: a TAG_BYTES tag follows the payload
     key_id: bytes = b""  # with auth: record_key_id() of the signing key (older signed records: empty)
+    codec_params: dict = {}  # with a codec ``encoding``: kvtier.codecs ``Encoded.params``
+
+    @property
+    def encoded(self) -> bool:
+        """Whether the payload is a codec's output (``decode_payload``), not raw KV."""
+        return self.encoding not in RAW_ENCODINGS
 
     @property
     def key(self) -> ChunkKey:
@@ -110,20 +123,32 @@ _decoder = msgspec.msgpack.Decoder(RecordHeader)
 
 
 def encode_record(key: ChunkKey, layout: KVLayout, token_ids: list[int], payload,
-                  auth_key: bytes | RecordKeys | None = None, auth: str = "blake3", checksum: int | None = None) -> list:
+                  auth_key: bytes | RecordKeys | None = None, auth: str = "blake3", checksum: int | None = None,
+                  codec=None) -> list:
     """Return ``[header_bytes, payload]``, plus the tag of MAC ``auth`` (``AUTH_ALGORITHMS``) with ``auth_key``
     (a key, or ``RecordKeys`` whose signing key is used); write the parts, in order, to store the record.
 
-    ``payload`` is any buffer (bytes, memoryview, numpy array); it is not copied. ``checksum``: the payload's
-    xxh3-64 as taken earlier (when the chunk was committed), so bytes that changed since fail verification;
-    None: computed here.
+    ``payload`` is any buffer (bytes, memoryview, numpy array) of the raw chunk ``layout.chunk_shape(len(
+    token_ids))`` in ``layout.dtype``; without a codec it is not copied. ``checksum``: the raw payload's xxh3-64
+    as taken earlier (when the chunk was committed), so bytes that changed since fail verification; None:
+    computed here. ``codec``: a ``kvtier.codecs.Codec`` to store the payload encoded with (None or ``none``:
+    raw); encoding costs CPU, so call this off the engine's path (the L2 writer threads do).
+
+    Raises:
+        InputError: a lossy codec cannot encode this KV (wrong dtype, NaN / inf values).
     """
     view = memoryview(payload).cast("B")
     auth_key = RecordKeys.of(auth_key).signing
+    encoding, params = "raw", {}
+    if codec is not None and codec.name != "none":
+        encoded = codec.encode(view, layout, len(token_ids))
+        view, encoding, params = memoryview(encoded.data).cast("B"), codec.name, encoded.params
+        checksum = params["xxh3"]  # the codec's checksum of its output: one hash, not two
     header = RecordHeader(key.model, key.layout_id, key.namespace, key.prefix_hash, layout.to_dict(),
                           list(token_ids), view.nbytes,
-                          xxhash.xxh3_64_intdigest(view) if checksum is None else checksum,
-                          auth=auth if auth_key else "none", key_id=record_key_id(auth_key) if auth_key else b"")
+                          xxhash.xxh3_64_intdigest(view) if checksum is None else checksum, encoding,
+                          auth=auth if auth_key else "none", key_id=record_key_id(auth_key) if auth_key else b"",
+                          codec_params=params)
     body = _encoder.encode(header)
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
     return [head, view, _tag(auth, auth_key, head, view)] if auth_key else [head, view]
@@ -180,11 +205,14 @@ def decode_record(buf, key: ChunkKey | None = None, token_ids: list[int] | None 
         RecordAuthError (a CorruptRecordError): with a key, a wrong tag under a key it holds, or no tag.
         ForeignRecordError (a CorruptRecordError): signed with a key it does not hold, or signed while it has
             none (module docstring): keep the record, serve a miss.
+        UnknownCodecError (a ConfigError): the payload's codec is not one this kvtier has: keep it, a miss.
     """
     header, offset = decode_header(buf)
     view = memoryview(buf).cast("B")
-    if header.encoding != "raw":
-        raise CorruptRecordError(f"record payload encoding {header.encoding!r} is not one this kvtier reads ('raw')")
+    if header.encoded:
+        from kvtier.codecs import get_codec
+
+        get_codec(header.encoding)  # UnknownCodecError before anything else: the record is kept, not deleted
     if header.auth != "none" and header.auth not in AUTH_ALGORITHMS:
         raise CorruptRecordError(f"record authentication {header.auth!r} is not one this kvtier reads")
     tag_bytes = TAG_BYTES if header.auth != "none" else 0
@@ -207,6 +235,25 @@ def decode_record(buf, key: ChunkKey | None = None, token_ids: list[int] | None 
     if token_ids is not None and list(token_ids) != header.token_ids:
         raise CorruptRecordError("record token ids differ from the requested tokens")
     return header, payload
+
+
+def decode_payload(header: RecordHeader, payload, out=None):
+    """The raw chunk of a verified record (``decode_record``'s result): ``payload`` itself when raw, else the
+    decoded bytes (uint8 numpy array of ``layout.chunk_bytes(len(header.token_ids))``, written into ``out`` when
+    given, e.g. an L1 slot).
+
+    Raises:
+        UnknownCodecError (a ConfigError): a codec this kvtier does not have: keep the record, count a miss.
+        CodecError (a CorruptRecordError): the bytes do not decode to the layout's chunk.
+    """
+    if not header.encoded:
+        return payload
+    from kvtier.codecs import get_codec  # only readers of encoded records load the codecs
+
+    layout = KVLayout.from_dict(header.layout)
+    # the record's checksum (verified) is the codec's own over these bytes: no second pass
+    return get_codec(header.encoding).decode(payload, header.codec_params, layout, len(header.token_ids), out=out,
+                                             verify=False)
 
 
 def _check_tag(header: RecordHeader, accepted: dict[bytes, bytes], head, payload, tag) -> None:

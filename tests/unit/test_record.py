@@ -23,7 +23,7 @@ def test_round_trip():
     assert bytes(view) == payload.tobytes() and header.key == key and header.layout == LAYOUT.to_dict()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "header", "encoding"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "header"])
 def test_damaged_records_raise(damage):
     key, _, buf = _record()
     buf = bytearray(buf)
@@ -31,14 +31,22 @@ def test_damaged_records_raise(damage):
         buf = buf[:-10]
     elif damage == "flip":
         buf[-1] ^= 0xFF
-    elif damage == "encoding":
-        at = bytes(buf).index(b"raw")
-        buf[at + 2] = ord("v")
     elif damage == "magic":
         buf[0:4] = b"XXXX"
     else:
         buf[12] ^= 0xFF
     with pytest.raises(CorruptRecordError):
+        decode_record(bytes(buf), key)
+
+
+def test_an_unknown_encoding_is_an_unknown_codec_not_a_corrupt_record():
+    from kvtier.errors import UnknownCodecError
+
+    key, _, buf = _record()
+    buf = bytearray(buf)
+    at = bytes(buf).index(b"raw")
+    buf[at + 2] = ord("v")  # "rav": no codec of that name (a newer kvtier's, say): kept by the cache, a miss
+    with pytest.raises(UnknownCodecError, match="'rav'"):
         decode_record(bytes(buf), key)
 
 
@@ -123,7 +131,7 @@ def test_records_signed_before_key_ids_are_tried_with_every_accepted_key():
 
     import msgspec
 
-    header = msgspec.msgpack.decode(bytes(parts[0])[10:])[:-1]  # the header without its key id
+    header = msgspec.msgpack.decode(bytes(parts[0])[10:])[:-2]  # a version 2 header: no key id, no codec params
     body = msgspec.msgpack.encode(header)
     head = struct.pack(">4sHI", b"KVTR", 2, len(body)) + body
     from kvtier.record import _tag
@@ -147,3 +155,44 @@ def test_format_version_1_records_are_still_read():
     assert header.auth == "none" and bytes(view) == payload.tobytes()
     with pytest.raises(RecordAuthError):
         decode_record(v1, key, auth_key=b"k" * 32)
+
+
+@pytest.mark.parametrize("spec", ["zstd", "lz4", "fp8_e4m3+zstd", "int8"])
+def test_encoded_records_name_their_codec_and_decode_back_to_the_layout(spec):
+    from kvtier.codecs import get_codec
+    from kvtier.record import decode_payload
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+    tokens = list(range(16))
+    kv = np.random.default_rng(3).standard_normal(layout.chunk_shape(16)).astype(np.float32)
+    kv = (kv.view(np.uint32) & 0xFFFF0000).view(np.float32)  # bf16 values widened to fp32, as real KV often is
+    key = ChunkKey("m", layout.layout_id, "", b"\x01" * 16)
+    codec = get_codec(spec)
+    record = b"".join(bytes(p) for p in encode_record(key, layout, tokens, kv, auth_key=b"k" * 32, codec=codec))
+    header, payload = decode_record(record, key, tokens, auth_key=b"k" * 32)
+    assert header.encoding == codec.name and header.encoded and payload.nbytes == header.payload_bytes
+    raw = np.frombuffer(decode_payload(header, payload), np.float32).reshape(kv.shape)
+    if codec.lossless:
+        assert np.array_equal(raw, kv) and payload.nbytes < kv.nbytes
+    else:
+        assert np.allclose(raw, kv, atol=0.2) and payload.nbytes < kv.nbytes / 3
+    damaged = bytearray(record)
+    damaged[len(record) - 40] ^= 0xFF  # inside the encoded payload: the record's checksum sees it
+    with pytest.raises(CorruptRecordError):
+        decode_record(bytes(damaged), key, tokens, auth_key=b"k" * 32)
+
+
+def test_a_record_of_a_codec_this_kvtier_lacks_is_an_unknown_codec():
+    from dataclasses import replace
+
+    import msgspec
+
+    from kvtier.errors import UnknownCodecError
+    from kvtier.record import decode_payload
+
+    key, payload, plain = _record()
+    header, view = decode_record(plain, key)
+    assert not header.encoded and decode_payload(header, view) is view
+    future = msgspec.structs.replace(header, encoding="zfuture", codec_params={"zfuture": {}, "xxh3": 0})
+    with pytest.raises(UnknownCodecError, match="zfuture"):
+        decode_payload(future, view)
