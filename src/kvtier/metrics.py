@@ -59,8 +59,13 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                "L2 records that failed verification (deleted, counted as a miss).", ("adapter",)),
     MetricSpec("kvtier_l2_auth_failures_total", "counter", "L2 records whose authentication tag (l2_record_key) "
                "was missing or wrong (deleted, counted as a miss).", ("adapter",)),
+    MetricSpec("kvtier_l2_foreign_records_total", "counter", "L2 records signed with a record key this server does "
+               "not hold, or signed while it has none (kept in the store, counted as a miss).", ("adapter",)),
+    MetricSpec("kvtier_l2_unknown_codec_total", "counter", "L2 records encoded with a codec this kvtier does not "
+               "have (kept in the store, counted as a miss).", ("adapter",)),
     MetricSpec("kvtier_auth_refused_total", "counter", "Connections the ZAP handler refused (unknown key), by "
-               "socket: requests (the client port) or replay (the event replay port).", ("socket",)),
+               "socket: requests (the client port), events (the KV event PUB) or replay (the event replay port).",
+               ("socket",)),
     MetricSpec("kvtier_store_seconds", "histogram", "Store latency.", unit="s"),
     MetricSpec("kvtier_retrieve_seconds", "histogram", "Retrieve latency.", unit="s"),
     MetricSpec("kvtier_connected_clients", "gauge", "Clients connected to the server."),

@@ -14,6 +14,7 @@ from kvtier.l1.store import L1Store
 from kvtier.l2 import create_adapter
 from kvtier.l2.tier import L2Tier
 from kvtier.metrics import Metrics
+from kvtier.record import RecordKeys
 
 
 class Tiers:
@@ -37,7 +38,9 @@ class Tiers:
         self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name)
         self.l1.on_evict = self._on_l1_evict
         self.memo = LookupMemo(config.lookup_memo_max_bytes)
-        record_key = config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None
+        record_key = RecordKeys(config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None,
+                                tuple(k.get_secret_value().encode() for k in config.l2_record_verify_keys),
+                                config.l2_accept_signed_records)
         self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
                          config.l2_promote_to_faster_l2, record_key, config.l2_record_auth, index_lookups)
         self.l2.on_changed = self._on_changed_after_commit

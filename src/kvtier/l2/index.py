@@ -8,6 +8,10 @@ before the prompt ends, the leading names past it are *probed* in the background
 the daemon thread ``kvtier-l2-probe``); adapters adopt what they find, and a later lookup counts it. At most
 ``MAX_PROBES`` probe batches wait; more are skipped and counted (``kvtier_l2_probes_skipped_total``).
 
+Records the tier read and may not serve (signed with a key this server does not hold, a codec it lacks or
+may not use: ``refuse``) stay in their store, but never count as held here, so a lookup never reports a chunk
+retrieve would refuse; a write of the same name by this server lifts the refusal.
+
 Thread-safe: ``held`` runs on request threads, ``note`` on the tier's threads, probes on their own.
 """
 
@@ -27,6 +31,7 @@ MAX_PROBES = 16  # probe batches waiting; more lookups past the index are not pr
 PROBE_NAMES = 32  # names asked per probe: the leading ones past the index
 FRESH_MISS_SECONDS = 1.0  # a name I/O found missing this recently is not probed again in the background
 MAX_FRESH_MISSES = 65536  # names remembered as freshly missing (forgotten all at once past it)
+MAX_REFUSED = 65536  # refused names remembered per adapter (forgotten all at once past it: read and refused again)
 
 # (adapter, op, names, missing value) -> one result per name; L2Tier._per_name (errors become misses + metric)
 PerName = Callable[[L2Adapter, str, list, object], list]
@@ -53,6 +58,7 @@ class L2Index:
         # name -> time.monotonic() when probe_now found no adapter holding it: the background probe a lookup
         # queues right after a foreground one (server/lookup.py) would only ask the same question again
         self._missed: dict[str, float] = {}
+        self._refused: dict[int, set[str]] = {}  # adapter position -> names held there that are not servable here
         if self.adapters:
             threading.Thread(target=self._prober, name="kvtier-l2-probe", daemon=True).start()
         if self._own:
@@ -82,7 +88,7 @@ class L2Index:
             if not missing:
                 break
             asked = [names[i] for i in missing]
-            found = self._per_name(adapter, "contains", asked, False)
+            found = self._unrefused(adapter, asked, self._per_name(adapter, "contains", asked, False))
             self.note(adapter, [n for n, hit in zip(asked, found) if hit], True)
             for i, hit in zip(missing, found):
                 present[i] = present[i] or bool(hit)
@@ -97,15 +103,38 @@ class L2Index:
                     self._missed[name] = now
         return _leading(present)
 
-    def note(self, adapter: L2Adapter, names, present: bool) -> None:
-        """Record that I/O found ``names`` (``present``) or not in ``adapter`` (for adapters indexed here)."""
+    def note(self, adapter: L2Adapter, names, present: bool, written: bool = False) -> None:
+        """Record that I/O found ``names`` (``present``) or not in ``adapter`` (for adapters indexed here);
+        ``written``: this server wrote them, which lifts a refusal."""
         for i, a in enumerate(self.adapters):
-            if a is adapter and i in self._own:
-                with self._lock:
+            if a is not adapter:
+                continue
+            with self._lock:
+                if written and i in self._refused:
+                    self._refused[i].difference_update(names)
+                if i in self._own:
                     if present:
                         self._own[i].update(names)
                     else:
                         self._own[i].difference_update(names)
+
+    def refuse(self, adapter: L2Adapter, names) -> None:
+        """``names`` are in ``adapter`` but not servable by this server: never count them as held."""
+        for i, a in enumerate(self.adapters):
+            if a is adapter:
+                with self._lock:
+                    refused = self._refused.setdefault(i, set())
+                    if len(refused) >= MAX_REFUSED:
+                        refused.clear()
+                    refused.update(names)
+
+    def _unrefused(self, adapter: L2Adapter, names: list[str], hits) -> list[bool]:
+        for i, a in enumerate(self.adapters):
+            if a is adapter and self._refused.get(i):
+                with self._lock:
+                    refused = self._refused[i]
+                    return [bool(hit) and name not in refused for name, hit in zip(names, hits)]
+        return [bool(hit) for hit in hits]
 
     def forget(self, adapter: L2Adapter) -> None:
         """``adapter`` was cleared."""
@@ -122,13 +151,15 @@ class L2Index:
         own = self._own.get(i)
         if own is not None:
             with self._lock:
-                return [name in own for name in names]
-        try:
-            return adapter.indexed(names)
-        except Exception as exc:  # noqa: BLE001 -- a miss plus a metric, like any adapter failure
-            self.metrics.inc("kvtier_l2_errors_total", adapter=adapter.label, op="indexed")
-            log.warning("L2 adapter %s indexed failed: %s", adapter.label, exc)
-            return [False] * len(names)
+                hits = [name in own for name in names]
+        else:
+            try:
+                hits = adapter.indexed(names)
+            except Exception as exc:  # noqa: BLE001 -- a miss plus a metric, like any adapter failure
+                self.metrics.inc("kvtier_l2_errors_total", adapter=adapter.label, op="indexed")
+                log.warning("L2 adapter %s indexed failed: %s", adapter.label, exc)
+                return [False] * len(names)
+        return self._unrefused(adapter, names, hits)
 
     def _probe(self, names: list[str]) -> None:
         now = time.monotonic()

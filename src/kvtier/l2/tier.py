@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.errors import ConfigError, CorruptRecordError, RecordAuthError
+from kvtier.errors import ConfigError, CorruptRecordError, ForeignRecordError, RecordAuthError, UnknownCodecError
 from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
 from kvtier.l2.index import L2Index
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
-from kvtier.record import decode_record, encode_record
+from kvtier.record import RecordKeys, decode_payload, decode_record, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ class L2Tier:
         events: an EventEmitter (``stored``/``removed`` with medium ``STORAGE``) or None.
         queue_chunks: most chunks waiting to be written; more are dropped and counted.
         promote_to_faster: on a hit in adapter i, also write the record into adapters before i.
-        record_key: the key records are signed and checked with (``l2_record_key``), or None.
+        record_key: the keys records are signed and checked with (``record.RecordKeys``, or the
+            ``l2_record_key`` bytes alone), or None.
         record_auth: the MAC new records are signed with (``record.AUTH_ALGORITHMS``).
         index_lookups: answer ``lookup`` from the in-memory indexes only (the server: its request thread must
             never wait for an adapter); False (in process): ask the adapters (``contains``), so a record another
@@ -92,13 +93,14 @@ class L2Tier:
         self.promote_to_faster = promote_to_faster
         self.record_key = record_key
         self.record_auth = record_auth
-        if record_key is not None and record_auth == "blake3":
+        if RecordKeys.of(record_key).any and record_auth == "blake3":
             try:
                 import blake3  # noqa: F401 -- fail at startup, not in the writer thread
             except ImportError:
                 raise ConfigError("l2_record_auth 'blake3' needs the blake3 package (pip install blake3); "
                                   "or set l2_record_auth: hmac-sha256") from None
         self._hasher: ThreadPoolExecutor | None = None
+        self._refusal_logged = False  # one warning for records kept but not servable; the metrics count them all
         self.on_changed: Callable[[ChunkKey], None] | None = None  # a chunk's bytes changed after commit
         self._queue: deque[_WriteBatch | _Clear] = deque()
         self._clearing = 0  # clears queued or running: lookups answer 0 meanwhile
@@ -192,7 +194,19 @@ class L2Tier:
     def _verify(self, adapter: L2Adapter, index: int, key: ChunkKey, tokens: list[int], buf) -> memoryview | None:
         name = key.name()
         try:
-            _, payload = decode_record(buf, key, tokens, self.record_key)
+            header, payload = decode_record(buf, key, tokens, self.record_key)
+            payload = decode_payload(header, payload)
+        except (ForeignRecordError, UnknownCodecError) as exc:  # valid elsewhere: kept, a miss here
+            foreign = isinstance(exc, ForeignRecordError)
+            self.metrics.inc("kvtier_l2_foreign_records_total" if foreign else "kvtier_l2_unknown_codec_total",
+                             adapter=adapter.label)
+            if not self._refusal_logged:
+                self._refusal_logged = True
+                log.warning("L2 adapter %s: record %s is not servable here (kept in the store): %s", adapter.label,
+                            name, exc)
+            self.index.refuse(adapter, [name])
+            self._removed_if_gone([name])
+            return None
         except CorruptRecordError as exc:
             log.warning("L2 adapter %s: dropping bad record %s: %s", adapter.label, name, exc)
             forged = isinstance(exc, RecordAuthError)
@@ -269,7 +283,7 @@ class L2Tier:
             return item.key.name(), encode_record(item.key, item.layout, item.token_ids, item.payload, self.record_key,
                                                   self.record_auth, checksum=item.checksum)
 
-        if self.record_key is None or len(items) < 2:
+        if RecordKeys.of(self.record_key).signing is None or len(items) < 2:
             yield [encode(item) for item in items]
             return
         if self._hasher is None:
@@ -293,7 +307,7 @@ class L2Tier:
                 flags = self._call(adapter, "put", adapter.put, records, default=None)
                 if flags is None:
                     continue
-                self.index.note(adapter, [records[i][0] for i, ok in enumerate(flags) if ok], True)
+                self.index.note(adapter, [records[i][0] for i, ok in enumerate(flags) if ok], True, written=True)
                 for i, ok in enumerate(flags):
                     done[i] = done[i] or bool(ok)
                 self.metrics.inc("kvtier_l2_writes_total", sum(1 for f in flags if f), adapter=adapter.label)
