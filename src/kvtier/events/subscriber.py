@@ -7,7 +7,8 @@ order before the live batch. Batches the publisher no longer buffers are reporte
 ``Subscriber.gaps`` and ``stats.missed_batches``): the consumer must resync (e.g. drop its index).
 A catch-up (``start_seq``) whose publisher does not answer yet is asked again while no live batch arrives: a PUB
 drops what it sends before the SUB has joined, so the first batches of a publisher that starts after the
-subscriber can only come from replay, and no later batch may come to reveal them as a gap.
+subscriber can only come from replay, and no later batch may come to reveal them as a gap; for the same reason
+a catch-up is repeated while idle until the first live batch arrives.
 Reference: events-and-hashing.md §1.1 (replay layouts of vLLM <= 0.25 and >= 0.26 are both read) and §7.
 """
 
@@ -286,7 +287,11 @@ class Subscriber:
                 if self._last is None:
                     self._last = first - 1
             return
-        self._catch_up_at = None
+        # until a live batch shows the subscription works, a batch sent before it did (an authenticated PUB
+        # subscribes a connection only once its handshake is done) could be the last one for a long time:
+        # keep asking the replay while idle
+        self._catch_up_at = (time.monotonic() + CATCH_UP_RETRY_SECONDS
+                             if last is None and self._live_last is None else None)
         expected = first
         for seq, payload in sorted(got):
             if seq < expected:
