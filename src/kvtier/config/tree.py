@@ -195,6 +195,8 @@ class KVTierConfig(_Section):
     # further keys whose records are read (a rotation's old key, another deployment on the same store)
     l2_record_verify_keys: list[pydantic.SecretStr] = []
     l2_accept_signed_records: Bool = False  # without any record key: serve signed records unchecked
+    # model id or glob -> lossy codec names (kvtier.codecs) its L2 records may be served from; none: lossless only
+    lossy_codecs_allowed: dict[str, list[str]] = {}
     lookup_memo_max_bytes: int = Field(64 << 20, ge=0)  # chunk refs of recent prompts kept to skip re-hashing
     enable_kv_events: Bool = False
     kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
