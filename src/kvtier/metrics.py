@@ -61,6 +61,16 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                "was missing or wrong (deleted, counted as a miss).", ("adapter",)),
     MetricSpec("kvtier_l2_foreign_records_total", "counter", "L2 records signed with a record key this server does "
                "not hold, or signed while it has none (kept in the store, counted as a miss).", ("adapter",)),
+    MetricSpec("kvtier_l2_lossy_refused_total", "counter", "L2 records in a lossy codec that lossy_codecs_allowed "
+               "does not list for their model (kept in the store, counted as a miss).", ("adapter",)),
+    MetricSpec("kvtier_l2_bytes_written_total", "counter", "Record bytes written to L2 (after the codec).",
+               ("adapter", "codec")),
+    MetricSpec("kvtier_l2_raw_bytes_written_total", "counter", "KV bytes written to L2 before the codec.",
+               ("adapter", "codec")),
+    MetricSpec("kvtier_l2_compression_ratio", "gauge", "Raw over written bytes since start, per adapter and codec.",
+               ("adapter", "codec")),
+    MetricSpec("kvtier_codec_seconds_total", "counter", "CPU seconds spent in codecs.", ("codec", "op")),
+    MetricSpec("kvtier_codec_errors_total", "counter", "Chunks a codec could not encode (not written).", ("codec",)),
     MetricSpec("kvtier_l2_unknown_codec_total", "counter", "L2 records encoded with a codec this kvtier does not "
                "have (kept in the store, counted as a miss).", ("adapter",)),
     MetricSpec("kvtier_auth_refused_total", "counter", "Connections the ZAP handler refused (unknown key), by "

@@ -71,6 +71,13 @@ class RecordHeader(msgspec.Struct, array_like=True, frozen=True):
     codec_params: dict = {}  # with a codec ``encoding``: kvtier.codecs ``Encoded.params``
 
     @property
+    def raw_bytes(self) -> int:
+        """Bytes of the raw chunk (``payload_bytes`` when not encoded)."""
+        if not self.encoded:
+            return self.payload_bytes
+        return KVLayout.from_dict(self.layout).chunk_bytes(len(self.token_ids))
+
+    @property
     def encoded(self) -> bool:
         """Whether the payload is a codec's output (``decode_payload``), not raw KV."""
         return self.encoding not in RAW_ENCODINGS

@@ -19,7 +19,7 @@ from kvtier.backend import Fill, Retrieved, TierHits
 from kvtier.cache.tickets import ChunkRef, L1Slot, PromptBlocks, RetrieveTicket, StoreTicket
 from kvtier.cache.tiers import Tiers
 from kvtier.config import KVTierConfig
-from kvtier.errors import InputError
+from kvtier.errors import InputError, KVTierError
 from kvtier.extra_keys import check_extra_keys, num_blocks_of
 from kvtier.hashing import as_token_array, prefix_hashes
 from kvtier.keys import ChunkKey, chunk_layout_id
@@ -56,6 +56,12 @@ class KVCache:
         self._owns_tiers = tiers is None
         self.tiers = tiers or Tiers(config, publish_events=publish_events)
         self.l1, self.l2, self.metrics = self.tiers.l1, self.tiers.l2, self.tiers.metrics
+        try:
+            self.l2.codecs.check_writer(model)  # no tier fills with lossy records this model may not be served
+        except KVTierError:
+            if self._owns_tiers:
+                self.tiers.close()
+            raise
         self._key_layout_id = chunk_layout_id(layout.layout_id, config.chunk_size)
         self._memo = self.tiers.memo  # (model, layout, namespace, prompt digest, extra keys) -> chunk refs
 

@@ -7,6 +7,7 @@ A server makes one ``Tiers`` and a ``KVCache`` (``kvtier.cache.cache``) per (mod
 from __future__ import annotations
 
 from kvtier.cache.memo import LookupMemo
+from kvtier.codecs.policy import CodecPolicy
 from kvtier.config import KVTierConfig
 from kvtier.errors import InputError, KVTierError
 from kvtier.keys import ChunkKey
@@ -41,8 +42,10 @@ class Tiers:
         record_key = RecordKeys(config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None,
                                 tuple(k.get_secret_value().encode() for k in config.l2_record_verify_keys),
                                 config.l2_accept_signed_records)
+        codecs = CodecPolicy([a.config.codec for a in adapters], config.lossy_codecs_allowed,
+                             [a.label for a in adapters])
         self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
-                         config.l2_promote_to_faster_l2, record_key, config.l2_record_auth, index_lookups)
+                         config.l2_promote_to_faster_l2, record_key, config.l2_record_auth, index_lookups, codecs)
         self.l2.on_changed = self._on_changed_after_commit
         self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
 

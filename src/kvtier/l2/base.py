@@ -26,6 +26,7 @@ class AdapterConfig(StrictModel):
 
     type: str
     name: str | None = None  # label in metrics and /status; defaults to the type
+    codec: str = "none"  # kvtier.codecs spec records are written with (e.g. lz4, zstd, fp8_e4m3+zstd)
 
 
 @dataclass(frozen=True, slots=True)

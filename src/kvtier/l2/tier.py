@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.errors import ConfigError, CorruptRecordError, ForeignRecordError, RecordAuthError, UnknownCodecError
+from kvtier.codecs.policy import CodecPolicy
+from kvtier.errors import ConfigError, KVTierError, CorruptRecordError, ForeignRecordError, RecordAuthError, UnknownCodecError
 from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
 from kvtier.l2.index import L2Index
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
-from kvtier.record import RecordKeys, decode_payload, decode_record, encode_record
+from kvtier.record import RecordKeys, decode_header, decode_payload, decode_record, encode_record, record_size
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,10 @@ class WriteItem:
     token_ids: list[int]
     payload: memoryview
     checksum: int | None = None  # xxh3-64 of the payload when it was committed; None: take it when writing
+
+
+class _LossyRefused(KVTierError):
+    """A record in a lossy codec its model may not be served from (``lossy_codecs_allowed``)."""
 
 
 @dataclass(slots=True)
@@ -78,6 +83,8 @@ class L2Tier:
         record_key: the keys records are signed and checked with (``record.RecordKeys``, or the
             ``l2_record_key`` bytes alone), or None.
         record_auth: the MAC new records are signed with (``record.AUTH_ALGORITHMS``).
+        codecs: the ``kvtier.codecs.policy.CodecPolicy`` (each adapter's write codec, the lossy codecs each model
+            may be served from); None: every adapter's ``config.codec``, lossless only.
         index_lookups: answer ``lookup`` from the in-memory indexes only (the server: its request thread must
             never wait for an adapter); False (in process): ask the adapters (``contains``), so a record another
             process just wrote (vLLM's scheduler and worker each open a cache over one folder) counts at once.
@@ -85,8 +92,10 @@ class L2Tier:
 
     def __init__(self, adapters: Sequence[L2Adapter], metrics: Metrics, events=None,
                  queue_chunks: int = 64, promote_to_faster: bool = False, record_key: bytes | None = None,
-                 record_auth: str = "blake3", index_lookups: bool = False):
+                 record_auth: str = "blake3", index_lookups: bool = False, codecs: CodecPolicy | None = None):
         self.adapters = list(adapters)
+        self.codecs = codecs or CodecPolicy([getattr(a.config, "codec", "none") for a in self.adapters],
+                                            labels=[a.label for a in self.adapters])
         self.metrics = metrics
         self.events = events
         self.queue_chunks = queue_chunks
@@ -100,6 +109,7 @@ class L2Tier:
                 raise ConfigError("l2_record_auth 'blake3' needs the blake3 package (pip install blake3); "
                                   "or set l2_record_auth: hmac-sha256") from None
         self._hasher: ThreadPoolExecutor | None = None
+        self._bytes: dict[tuple[str, str], list[int]] = {}  # (adapter, codec) -> [encoded, raw] bytes written
         self._refusal_logged = False  # one warning for records kept but not servable; the metrics count them all
         self.on_changed: Callable[[ChunkKey], None] | None = None  # a chunk's bytes changed after commit
         self._queue: deque[_WriteBatch | _Clear] = deque()
@@ -195,11 +205,18 @@ class L2Tier:
         name = key.name()
         try:
             header, payload = decode_record(buf, key, tokens, self.record_key)
-            payload = decode_payload(header, payload)
-        except (ForeignRecordError, UnknownCodecError) as exc:  # valid elsewhere: kept, a miss here
-            foreign = isinstance(exc, ForeignRecordError)
-            self.metrics.inc("kvtier_l2_foreign_records_total" if foreign else "kvtier_l2_unknown_codec_total",
-                             adapter=adapter.label)
+            if header.encoded and not self.codecs.allowed(header.model, header.encoding):
+                raise _LossyRefused(f"record encoded with lossy codec {header.encoding!r}, which "
+                                    f"lossy_codecs_allowed does not list for model {header.model!r}")
+            if header.encoded:
+                started = time.perf_counter()
+                payload = decode_payload(header, payload)
+                self.metrics.inc("kvtier_codec_seconds_total", time.perf_counter() - started, codec=header.encoding,
+                                 op="decode")
+        except (ForeignRecordError, UnknownCodecError, _LossyRefused) as exc:  # valid elsewhere: kept, a miss here
+            metric = {ForeignRecordError: "kvtier_l2_foreign_records_total", UnknownCodecError:
+                      "kvtier_l2_unknown_codec_total"}.get(type(exc), "kvtier_l2_lossy_refused_total")
+            self.metrics.inc(metric, adapter=adapter.label)
             if not self._refusal_logged:
                 self._refusal_logged = True
                 log.warning("L2 adapter %s: record %s is not servable here (kept in the store): %s", adapter.label,
@@ -275,19 +292,23 @@ class L2Tier:
                     self._cond.notify_all()
 
     def _encoded(self, items: list[WriteItem]):
-        """Groups of (name, record parts) in item order. With a record key the tags are computed by helper
-        threads (the MACs release the GIL) and each group is what is ready, so signing overlaps writing."""
+        """Groups of (name, {codec spec: record parts} or None) in item order: each chunk encoded once per distinct
+        codec of the adapters, here on the writer side (never on the engine's store path). With a record key or a
+        codec the work runs on helper threads (MACs and the codecs' compressors release the GIL) and each group
+        is what is ready, so encoding overlaps writing."""
+        codecs = self.codecs.distinct()
+
         def encode(item: WriteItem):
             if item.checksum is not None and xxhash.xxh3_64_intdigest(item.payload) != item.checksum:
                 return item.key.name(), None  # changed since it was committed: never written
-            return item.key.name(), encode_record(item.key, item.layout, item.token_ids, item.payload, self.record_key,
-                                                  self.record_auth, checksum=item.checksum)
+            return item.key.name(), {codec.spec: self._record(item, codec) for codec in codecs}
 
-        if RecordKeys.of(self.record_key).signing is None or len(items) < 2:
+        slow = RecordKeys.of(self.record_key).signing is not None or any(c.name != "none" for c in codecs)
+        if not slow or len(items) < 2:
             yield [encode(item) for item in items]
             return
         if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvtier-l2-sign")
+            self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvtier-l2-encode")
         futures = [self._hasher.submit(encode, item) for item in items]
         i = 0
         while i < len(futures):
@@ -298,19 +319,36 @@ class L2Tier:
                 i += 1
             yield group
 
+    def _record(self, item: WriteItem, codec) -> list | None:
+        started = time.perf_counter()
+        try:
+            parts = encode_record(item.key, item.layout, item.token_ids, item.payload, self.record_key,
+                                  self.record_auth, checksum=item.checksum, codec=codec)
+        except KVTierError as exc:  # a lossy codec refusing this KV (NaN, a dtype it cannot take): not written
+            log.warning("L2: chunk %s cannot be encoded with %s: %s", item.key.name(), codec.spec, exc)
+            self.metrics.inc("kvtier_codec_errors_total", codec=codec.name)
+            return None
+        if codec.name != "none":
+            self.metrics.inc("kvtier_codec_seconds_total", time.perf_counter() - started, codec=codec.name, op="encode")
+        return parts
+
     def _write_batch(self, batch: _WriteBatch) -> None:
         stored: list[bool] = []
         for group in self._encoded(batch.items):
             records = [rec for rec in group if rec[1] is not None]
             done = [False] * len(records)
-            for adapter in self.adapters if records else ():
-                flags = self._call(adapter, "put", adapter.put, records, default=None)
+            for adapter, codec in zip(self.adapters, self.codecs.codecs) if records else ():
+                mine = [(i, name, by_codec[codec.spec]) for i, (name, by_codec) in enumerate(records)
+                        if by_codec[codec.spec] is not None]
+                flags = self._call(adapter, "put", adapter.put, [(n, p) for _, n, p in mine], default=None)
                 if flags is None:
                     continue
-                self.index.note(adapter, [records[i][0] for i, ok in enumerate(flags) if ok], True, written=True)
-                for i, ok in enumerate(flags):
-                    done[i] = done[i] or bool(ok)
-                self.metrics.inc("kvtier_l2_writes_total", sum(1 for f in flags if f), adapter=adapter.label)
+                self.index.note(adapter, [mine[j][1] for j, ok in enumerate(flags) if ok], True, written=True)
+                written = [(i, parts) for (i, _, parts), ok in zip(mine, flags) if ok]
+                for i, _ in written:
+                    done[i] = True
+                self.metrics.inc("kvtier_l2_writes_total", len(written), adapter=adapter.label)
+                self._count_bytes(adapter, codec, [parts for _, parts in written])
             flags_in_order = iter(done)
             for name, parts in group:
                 if parts is None:
@@ -328,6 +366,33 @@ class L2Tier:
                 run += 1
             if run:
                 self.events.stored(batch.tokens, batch.event_refs[:run], "STORAGE")
+
+    def _count_bytes(self, adapter: L2Adapter, codec, records: list[list]) -> None:
+        """Encoded and raw bytes written, per adapter and codec, and their ratio over the process lifetime."""
+        if not records:
+            return
+        encoded = sum(record_size(parts) for parts in records)
+        raw = sum(decode_header(parts[0])[0].raw_bytes for parts in records)
+        labels = {"adapter": adapter.label, "codec": codec.name}
+        self.metrics.inc("kvtier_l2_bytes_written_total", encoded, **labels)
+        self.metrics.inc("kvtier_l2_raw_bytes_written_total", raw, **labels)
+        with self._cond:
+            totals = self._bytes.setdefault((adapter.label, codec.name), [0, 0])
+            totals[0] += encoded
+            totals[1] += raw
+            self.metrics.set("kvtier_l2_compression_ratio", totals[1] / max(totals[0], 1), **labels)
+
+    def written_bytes(self) -> list[dict]:
+        """Per adapter: ``codec``, ``raw_bytes_written``, ``bytes_written`` (records, headers included) and their
+        ``ratio``, since start (``/status``)."""
+        with self._cond:
+            totals = dict(self._bytes)
+        out = []
+        for adapter, codec in zip(self.adapters, self.codecs.codecs):
+            encoded, raw = totals.get((adapter.label, codec.name), (0, 0))
+            out.append({"adapter": adapter.label, "codec": codec.spec, "raw_bytes_written": raw,
+                        "bytes_written": encoded, "ratio": round(raw / encoded, 3) if encoded else None})
+        return out
 
     def flush(self, timeout_seconds: float = 30.0) -> bool:
         """Wait at most ``timeout_seconds`` until every queued write is done. Returns False on timeout."""

@@ -1,0 +1,88 @@
+"""KV codecs per L2 adapter (issue 20 part B) on a real local disk and a real redis-server: records written
+encoded, read back into the same KV (lossless) or close KV (lossy, where allowed), bytes counted per codec,
+lossy records refused for models that may not be served from them, and writers refused for such models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.server import CHUNK, LAYOUT
+
+from harness import services
+
+from kvtier.cache import KVCache
+from kvtier.config import build_config
+from kvtier.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def redis_service(tmp_path_factory):
+    with services.redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def bf16_like(n_tokens: int, seed: int) -> torch.Tensor:
+    """fp32 KV whose values are bf16 numbers, as a bf16 model's KV widened to fp32 is."""
+    kv = torch.randn(LAYOUT.chunk_shape(n_tokens), generator=torch.Generator().manual_seed(seed))
+    return kv.to(torch.bfloat16).to(torch.float32)
+
+
+def config(adapters: list[dict], **extra) -> dict:
+    return build_config({"chunk_size": CHUNK, "l1_size_gb": "64MiB", "l2_adapters": adapters, **extra})
+
+
+def test_each_adapter_writes_its_codec_and_reads_it_back(tmp_path, redis_service):
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk"), "codec": "zstd"}
+    redis = {"type": "redis", "url": redis_service.url, "prefix": f"{tmp_path.name}:", "codec": "fp8_e4m3+zstd"}
+    cfg = config([disk, redis], lossy_codecs_allowed={"m*": ["fp8_e4m3+zstd"]})
+    tokens = list(range(4 * CHUNK))
+    kv = bf16_like(len(tokens), 1)
+    with KVCache(cfg, "m1", LAYOUT) as writer:
+        assert writer.store(tokens, kv) == 4 and writer.flush(30.0)
+        m = writer.metrics
+        raw_disk = m.value("kvtier_l2_raw_bytes_written_total", adapter="local_disk", codec="zstd")
+        assert raw_disk == kv.numel() * 4
+        assert m.value("kvtier_l2_bytes_written_total", adapter="local_disk", codec="zstd") < raw_disk / 1.3
+        fp8 = m.value("kvtier_l2_bytes_written_total", adapter="redis", codec="fp8_e4m3+zstd")
+        # fp32 -> fp8 plus zstd; these test chunks are small, so the record headers weigh in (the benchmark
+        # measures real chunks)
+        assert fp8 < raw_disk / 2
+        assert m.value("kvtier_l2_compression_ratio", adapter="redis", codec="fp8_e4m3+zstd") == raw_disk / fp8
+        status = {row["adapter"]: row for row in writer.l2.written_bytes()}
+        assert status["redis"]["raw_bytes_written"] == raw_disk and status["local_disk"]["ratio"] > 1.3
+    with KVCache(config([disk]), "m1", LAYOUT) as disk_only:  # lossless: exactly the KV stored
+        out, n = disk_only.retrieve(tokens)
+        assert n == len(tokens) and torch.equal(out, kv)
+    with KVCache(config([redis], lossy_codecs_allowed={"m1": ["fp8_e4m3+zstd"]}), "m1", LAYOUT) as lossy:
+        out, n = lossy.retrieve(tokens)
+        assert n == len(tokens) and torch.allclose(out, kv, rtol=0.13, atol=0.02) and not torch.equal(out, kv)
+    # default (lossless only): a reader of the same records refuses them, keeps them, counts them
+    with KVCache(config([{**redis, "codec": "none"}]), "m1", LAYOUT) as strict:
+        assert strict.retrieve(tokens)[1] == 0 and strict.lookup(tokens) == 0
+        assert strict.metrics.value("kvtier_l2_lossy_refused_total", adapter="redis") >= 1
+    with KVCache(config([redis], lossy_codecs_allowed={"m1": ["fp8_e4m3+zstd"]}), "m1", LAYOUT) as again:
+        assert again.retrieve(tokens)[1] == len(tokens)  # kept: still there for who may read them
+
+
+def test_bad_codec_settings_are_startup_errors(tmp_path):
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk")}
+    with pytest.raises(ConfigError, match="unknown codec 'lz5'.*'none'"):
+        KVCache(config([{**disk, "codec": "lz5"}]), "m", LAYOUT)
+    with pytest.raises(ConfigError, match="writes lossy codec 'int8', which model 'other' may not"):
+        KVCache(config([{**disk, "codec": "int8"}], lossy_codecs_allowed={"m": ["int8"]}), "other", LAYOUT)
+
+
+def test_a_corrupted_compressed_record_is_a_miss_deleted_and_counted(tmp_path):
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk"), "codec": "lz4"}
+    tokens = list(range(CHUNK))
+    with KVCache(config([disk]), "m", LAYOUT) as writer:
+        assert writer.store(tokens, bf16_like(CHUNK, 2)) == 1 and writer.flush(30.0)
+    files = [p for p in (tmp_path / "disk").rglob("*") if p.is_file() and p.stat().st_size > 1000]
+    assert len(files) == 1
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    with KVCache(config([disk]), "m", LAYOUT) as reader:
+        assert reader.retrieve(tokens)[1] == 0
+        assert reader.metrics.value("kvtier_corrupt_records_total", adapter="local_disk") == 1
+        assert reader.lookup(tokens) == 0  # deleted
