@@ -470,15 +470,17 @@ class L2Tier:
             job.done.set()
 
     def status(self) -> list[dict]:
-        """Per adapter: label, type, health, reason and usage (no secrets)."""
+        """Per adapter: label, type, health, reason, usage (no secrets), and its codec with the bytes written
+        before and after it (``written_bytes``)."""
         out = []
-        for adapter in self.adapters:
+        for adapter, written in zip(self.adapters, self.written_bytes()):
             healthy, reason = self._call(adapter, "health", adapter.health, default=(False, "health check failed"))
             usage = self._call(adapter, "usage", adapter.usage, default=None)
             out.append({"name": adapter.label, "type": adapter.config.type, "healthy": healthy, "reason": reason,
                         "used_bytes": usage.used_bytes if usage else None,
                         "num_records": usage.num_records if usage else None,
-                        "capacity_bytes": usage.capacity_bytes if usage else None})
+                        "capacity_bytes": usage.capacity_bytes if usage else None,
+                        **{k: v for k, v in written.items() if k != "adapter"}})
         return out
 
     def close(self, timeout_seconds: float = 10.0) -> bool:
