@@ -109,9 +109,10 @@ class ServerProcess:
             self._log.flush()
         return self.log_path.read_text()
 
-    def status(self) -> dict:
-        """``/status`` as JSON."""
-        return httpx.get(f"{self.admin}/status", timeout=10).json()
+    def status(self, token: str | None = None) -> dict:
+        """``/status`` as JSON (with ``token``: as the admin sees it)."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.get(f"{self.admin}/status", timeout=10, headers=headers).json()
 
     def metrics_text(self) -> str:
         """``/metrics`` (Prometheus text; ``harness.metrics`` reads it)."""

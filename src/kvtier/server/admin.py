@@ -2,7 +2,7 @@
 
 ``GET /healthz`` (200 ``ok`` / 503 with the reason), ``GET /status`` (JSON, every secret masked: keys naming
 one, ``user:password@`` and query strings of URLs such as an Azure SAS; namespaces are digests, never a
-``cache_salt``), ``GET /metrics`` (Prometheus text from OpenTelemetry meters),
+``cache_salt``; tenant names only with the admin token, else their count), ``GET /metrics`` (Prometheus text from OpenTelemetry meters),
 ``POST /clear[?medium=CPU|STORAGE]``: a mutation, so it needs ``Authorization: Bearer <token>`` when an admin
 token is set (401 otherwise) and is refused when none is set (403) unless ``allow_unauthenticated_admin``.
 It never accepts what a browser can send cross-site without asking (a form post, ``text/plain``): the
@@ -76,7 +76,7 @@ def server_health(server) -> tuple[bool, str]:
     return True, "ok"
 
 
-def server_status(server) -> dict:
+def server_status(server, admin: bool = False) -> dict:
     """Everything /status shows: version, uptime, health, config (secrets masked), L1, L2, clients."""
     server.tiers.refresh_gauges()
     l1 = server.tiers.l1
@@ -87,7 +87,14 @@ def server_status(server) -> dict:
     keyring = server.keyring
     auth = {"mechanism": "CURVE" if keyring else "NULL (--no-auth)",
             "path": str(keyring.creds.path) if keyring else None,  # a key naming a secret would be masked
-            "tenants": sorted(keyring.creds.tenants) if keyring else []}
+            "num_tenants": len(keyring.creds.tenants) if keyring else 0}
+    if admin:  # who the tenants are is the operator's business, not any local process's
+        auth["tenants"] = sorted(keyring.creds.tenants) if keyring else []
+    else:
+        for client in snap["clients"]:
+            if client["tenant"] is not None:  # its principal names the tenant too: a digest still tells clients apart
+                client["tenant"] = "(hidden: send the admin token)"
+                client["principal"] = "sha256:" + hashlib.sha256(str(client["principal"]).encode()).hexdigest()[:16]
     return redact({"version": __version__, "protocol_version": PROTOCOL_VERSION, "server_id": server.server_id,
                    "uptime_seconds": round(time.time() - server.started, 3), "healthy": healthy, "reason": reason,
                    "endpoint": server.endpoint, "auth": auth, "config": config,
@@ -130,7 +137,10 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
         return PlainTextResponse("ok" if healthy else f"unhealthy: {reason}", status_code=200 if healthy else 503)
 
     async def status(request: Request) -> Response:
-        return JSONResponse(await asyncio.to_thread(server_status, server))
+        bearer = request.headers.get("authorization", "")
+        token = bearer[7:] if bearer.startswith("Bearer ") else None
+        admin = server.config.server.admin_token is not None and admin_refusal(server.config, token) is None
+        return JSONResponse(await asyncio.to_thread(server_status, server, admin))
 
     async def metrics(request: Request) -> Response:
         body = await asyncio.to_thread(telemetry.render)

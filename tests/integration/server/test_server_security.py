@@ -20,6 +20,9 @@ from kvtier.events.subscriber import Subscriber
 from kvtier.client import Client
 
 
+ADMIN_TOKEN = "security-test-admin-token"
+
+
 def kv_for(n: int, seed: int) -> torch.Tensor:
     return torch.randn(LAYOUT.chunk_shape(n), generator=torch.Generator().manual_seed(seed))
 
@@ -218,7 +221,7 @@ def test_tenants_reach_only_their_own_chunks(tmp_path):
         return out
 
     a_file = add_tenant("team-a")
-    with ServerProc(tmp_path, extra=("--auth-secret-file", str(secrets))) as server:
+    with ServerProc(tmp_path, extra=("--auth-secret-file", str(secrets)), token=ADMIN_TOKEN) as server:
         b_file = add_tenant("team-b")  # added while the server runs: picked up without a restart
         tokens = list(range(500, 500 + 2 * CHUNK))
         kv = kv_for(len(tokens), 5)
@@ -239,7 +242,13 @@ def test_tenants_reach_only_their_own_chunks(tmp_path):
             assert a.lookup(other) == 0 and b.lookup(other) == 0
             assert b.store(tokens, kv_for(len(tokens), 7)) == 2  # team-b's own copy, not team-a's bytes
             assert torch.equal(a.retrieve(tokens)[0], kv)
-        status = server.status()
+            seen = server.status()  # issue 22 finding 5: any local process reads /status, tenant names only the admin
+            assert seen["auth"]["num_tenants"] == 2 and "tenants" not in seen["auth"]
+            assert "team-a" not in str(seen) and "team-b" not in str(seen)
+            assert sorted(c["tenant"] for c in seen["clients"] if c["tenant"]) == ["(hidden: send the admin token)"] * 2
+            as_admin = server.status(ADMIN_TOKEN)
+            assert sorted(c["tenant"] for c in as_admin["clients"] if c["tenant"]) == ["team-a", "team-b"]
+        status = server.status(ADMIN_TOKEN)
         assert status["auth"]["tenants"] == ["team-a", "team-b"]
         assert read_credentials(secrets).secret not in str(status)
 
