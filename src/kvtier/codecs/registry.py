@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 
 from kvtier.codecs.base import Codec
+from kvtier.codecs.blosc import BloscLz4, BloscZstd
 from kvtier.codecs.compressors import SHUFFLES, Lz4, Zstd
 from kvtier.codecs.quantize import SCALE_MODES, Bf16, Fp8E4M3, Int8
 from kvtier.errors import ConfigError, UnknownCodecError
 
 TRANSFORMS = {cls.name: cls for cls in (Fp8E4M3, Int8, Bf16)}
-COMPRESSORS = {cls.name: cls for cls in (Zstd, Lz4)}
+COMPRESSORS = {cls.name: cls for cls in (Zstd, Lz4, BloscZstd, BloscLz4)}
 # option -> allowed values (None: any integer in the range)
 _CHOICES = {"shuffle": SHUFFLES, "scale": SCALE_MODES}
 _RANGES = {"level": (-7, 22), "acceleration": (1, 65537), "group": (0, 1 << 20)}

@@ -13,13 +13,13 @@ from kvtier.errors import CodecError, ConfigError, InputError, UnknownCodecError
 from kvtier.layout import KVLayout
 
 LOSSLESS = ["none", "zstd", "zstd:shuffle=none", "zstd:level=3", "zstd:level=-3", "lz4", "lz4:shuffle=none",
-            "lz4:acceleration=8"]
+            "lz4:acceleration=8", "blosc_zstd", "blosc_zstd:level=5", "blosc_lz4"]
 # spec -> bound on max |decoded - original| as a share of the part's (layer, K/V) largest magnitude, and on the
 # relative L2 error ||decoded - original|| / ||original||
 LOSSY = {
     "fp8_e4m3": (0.07, 0.05), "fp8_e4m3:scale=channel": (0.07, 0.05), "fp8_e4m3:scale=kivi,group=16": (0.07, 0.05),
     "int8": (0.01, 0.02), "int8:scale=channel,group=4": (0.01, 0.02), "int8:scale=kivi": (0.01, 0.02),
-    "fp8_e4m3+zstd": (0.07, 0.05), "int8+lz4": (0.01, 0.02), "bf16": (0.004, 0.004), "bf16+zstd": (0.004, 0.004),
+    "fp8_e4m3+zstd": (0.07, 0.05), "int8+lz4": (0.01, 0.02), "fp8_e4m3+blosc_zstd": (0.07, 0.05), "bf16": (0.004, 0.004), "bf16+zstd": (0.004, 0.004),
 }
 ALL = LOSSLESS + list(LOSSY)
 DTYPES = ["float32", "bfloat16", "float16"]
