@@ -335,6 +335,11 @@ class KVTierServer(DataOps):
         return P.Ok(id=msg.id), []
 
     def _on_Stats(self, identity, session, msg, payload):
+        if session.tenant is not None:  # server-wide counters would show other tenants' traffic: its own only
+            usage = session.usage
+            return P.StatsReply(id=msg.id, stats={"tenant": session.tenant, "leases": usage.leases,
+                                                  "reserved_bytes": usage.reserved_bytes,
+                                                  "quarantined_bytes": usage.quarantined_bytes}), []
         self.tiers.refresh_gauges()
         return P.StatsReply(id=msg.id, stats=self.metrics.snapshot()), []
 

@@ -242,6 +242,12 @@ def test_tenants_reach_only_their_own_chunks(tmp_path):
             assert a.lookup(other) == 0 and b.lookup(other) == 0
             assert b.store(tokens, kv_for(len(tokens), 7)) == 2  # team-b's own copy, not team-a's bytes
             assert torch.equal(a.retrieve(tokens)[0], kv)
+            # issue 22 finding 5: server-wide counters would show team-b when team-a hits; a tenant sees its own
+            before = b.stats()
+            assert before["tenant"] == "team-b" and not any(k.startswith("kvtier_") for k in before)
+            assert a.retrieve(tokens)[1] == 2 * CHUNK
+            assert b.stats() == before
+            assert any(k.startswith("kvtier_") for k in owner.stats())  # the operator still sees everything
             seen = server.status()  # issue 22 finding 5: any local process reads /status, tenant names only the admin
             assert seen["auth"]["num_tenants"] == 2 and "tenants" not in seen["auth"]
             assert "team-a" not in str(seen) and "team-b" not in str(seen)
