@@ -69,9 +69,30 @@ def server_keyring(config: KVTierConfig, port: int) -> tuple[KeyRing | None, boo
     """(the keys the server accepts, whether the secret file was created now); (None, False) with
     ``server.auth`` off. Raises ConfigError for a file other users can read or that is malformed."""
     if not config.server.auth:
+        _remove_stale_secret(config, port)
         return None, False
     creds, created = load_or_create(secret_path(config, port))
     return KeyRing(creds), created
+
+
+def _remove_stale_secret(config: KVTierConfig, port: int) -> None:
+    """A server without authentication removes the default secret file of its port, left by an earlier server
+    with authentication: a same-user client would find it, offer CurveZMQ and fail the handshake (issue 21).
+    A file named by ``server.auth_secret_file`` is the operator's and stays."""
+    if config.server.auth_secret_file:
+        return
+    stale = default_secret_file(port)
+    if not stale.exists():
+        return
+    try:
+        stale.unlink()
+    except OSError as exc:
+        log.warning("authentication is off, but the secret file %s of an earlier server on port %d could not be "
+                    "removed (%s): same-user clients will offer its keys and fail; delete it", stale, port,
+                    exc.strerror)
+        return
+    log.warning("authentication is off: removed %s, the secret file of an earlier server on port %d, so clients "
+                "do not offer its keys", stale, port)
 
 
 def log_auth(keyring: KeyRing | None, host: str, port: int) -> None:

@@ -298,3 +298,23 @@ def test_flush_is_false_when_an_acknowledged_write_did_not_reach_l2(tmp_path):
         assert client.flush(30.0) is False
         assert client.store(list(range(10**6, 10**6 + 2 * CHUNK)), kv_for(2 * CHUNK, 5)) == 2
         assert client.flush(30.0) is True
+
+
+def test_a_restart_on_the_same_port_with_other_auth_settings_keeps_clients_working(tmp_path):
+    """Issue 21: a client of a --no-auth server found the secret file a previous server with authentication left
+    on that port, failed the CurveZMQ handshake and stored nothing."""
+    port = free_port()
+    tokens = list(range(4000, 4000 + CHUNK))
+    for round_, extra in enumerate([(), ("--no-auth",), ()]):
+        work = tmp_path / f"run{round_}"
+        work.mkdir()
+        with ServerProc(work, port=port, extra=extra) as server:
+            secret = default_secret_file(port)
+            assert secret.exists() == (not extra)  # without auth the earlier server's file is gone
+            with Client(server.url, model="m", layout=LAYOUT) as client:
+                kv = kv_for(CHUNK, round_)
+                assert client.store(tokens, kv) == 1
+                out, n = client.retrieve(tokens)
+                assert n == CHUNK and torch.equal(out, kv)
+            if extra:
+                assert "removed" in server.log() and str(secret) in server.log()
