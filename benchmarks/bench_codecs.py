@@ -38,7 +38,8 @@ from kvtier.models import kv_layout_of, load_gemma3, load_smollm2
 
 LOADERS = {"smollm2": load_smollm2, "gemma3": load_gemma3}
 SPEED_CODECS = ["none", "zstd", "zstd:shuffle=none", "zstd:level=3", "zstd:level=-1", "lz4", "lz4:shuffle=none",
-                "blosc_zstd", "blosc_lz4", "fp8_e4m3+blosc_zstd", "fp8_e4m3", "fp8_e4m3:scale=kivi", "fp8_e4m3+zstd", "fp8_e4m3+lz4", "int8:scale=token", "int8",
+                "blosc_zstd", "blosc_lz4", "fp8_e4m3+blosc_zstd", "fp8_e4m3", "fp8_e4m3:scale=kivi", "fp8_e4m3+zstd", "fp8_e4m3+lz4",
+                "int8:scale=token", "int8",
                 "int8+zstd", "bf16", "bf16+zstd", "bf16+lz4"]
 QUALITY_CODECS = ["bf16", "fp8_e4m3:scale=token", "fp8_e4m3:scale=channel", "fp8_e4m3:scale=kivi", "int8:scale=token",
                   "int8:scale=kivi"]

@@ -56,6 +56,7 @@ from harness.metrics import metric_sum
 from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.layout import KVLayout
+from kvtier.zmq_context import Context
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # lookup cost does not depend on the KV size
 CHUNK = 256
@@ -146,7 +147,7 @@ def l2_loop(url: str, pool: list[list[int]], duration: float, rate: float, seed:
 def echo_server(url: str, stop) -> None:
     import zmq
 
-    ctx = zmq.Context()
+    ctx = Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(url)
     while not stop.is_set():
@@ -165,7 +166,7 @@ def echo_loop(url: str, request: bytes, duration: float, rate: float, interval: 
     import zmq
 
     rng = np.random.default_rng(seed)
-    ctx = zmq.Context()
+    ctx = Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(url)
     sock.send(request)

@@ -43,6 +43,7 @@ from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.layout import KVLayout
 from kvtier.proc import host_id
+from kvtier.zmq_context import Context
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64)  # 4 KiB per token, fp32
 CHUNK = 64
@@ -188,7 +189,7 @@ def hostile(url: str, seed: int, duration_seconds: float, prompt_tokens: int, se
     from kvtier.auth.secret_file import read_credentials
 
     rng = random.Random(seed)
-    ctx = zmq.Context()
+    ctx = Context()
 
     def connect(model: str, shm: bool):
         sock = ctx.socket(zmq.DEALER)

@@ -11,6 +11,7 @@ from kvtier import protocol as P
 from kvtier.auth.curve import apply_client
 from kvtier.auth.secret_file import read_credentials
 from kvtier.proc import host_id
+from kvtier.zmq_context import Context
 
 from support.server import LAYOUT, authenticated
 
@@ -22,7 +23,7 @@ class Raw:
 
     def __init__(self, url: str, *, shm: bool = True, model: str = "m", secret_file=None, auth: bool = True,
                  check: bool = True):
-        self.ctx = zmq.Context()
+        self.ctx = Context()
         sock = self.ctx.socket(zmq.DEALER)
         if secret_file is not None:
             apply_client(sock, read_credentials(secret_file))

@@ -183,7 +183,6 @@ def test_encoded_records_name_their_codec_and_decode_back_to_the_layout(spec):
 
 
 def test_a_record_of_a_codec_this_kvtier_lacks_is_an_unknown_codec():
-    from dataclasses import replace
 
     import msgspec
 

@@ -19,7 +19,6 @@ import threading
 import time
 
 import numpy as np
-import zmq
 
 from kvtier import protocol as P
 from kvtier.auth.client import ClientAuth
@@ -31,6 +30,7 @@ from kvtier.hashing import as_token_array
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
 from kvtier.tensors import as_numpy, chunk_view, copy_from, empty_kv, join_chunks
+from kvtier.zmq_context import Context
 
 
 class Client(Transport):
@@ -78,7 +78,7 @@ class Client(Transport):
         self._arena = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # a DEALER is not thread-safe: one call at a time
-        self._ctx = zmq.Context()
+        self._ctx = Context()
         self._sock = self._monitor = None
         self._linked = False  # the monitor saw a completed ZMTP handshake and no disconnect since
         self._down_until = 0.0

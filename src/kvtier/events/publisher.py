@@ -43,6 +43,7 @@ from kvtier.auth.zap import ZapHandler, router, tenant_of
 from kvtier.errors import KVTierError
 from kvtier.events.model import Encoder, Event, EventBatch
 from kvtier.events.streams import Stream, check_topic, subscription_for, tenant_topic
+from kvtier.zmq_context import Context
 
 log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8
@@ -123,7 +124,7 @@ class EventPublisher:
         self._stop = False
 
         # two contexts, so each socket has its own ZAP handler (one per context) and refusals are counted per socket
-        self._ctx, self._replay_ctx = zmq.Context(), zmq.Context()
+        self._ctx, self._replay_ctx = Context(), Context()
         self._zaps: list[ZapHandler] = []
         try:
             keys = None

@@ -27,6 +27,7 @@ from kvtier.errors import KVTierError
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, EventBatch, decode_batch
 from kvtier.events.publisher import END_SEQ
 from kvtier.events.streams import tenant_topic
+from kvtier.zmq_context import Context
 
 log = logging.getLogger(__name__)
 CATCH_UP_RETRY_SECONDS = 1.0  # an unanswered catch-up is asked again after this long without a live batch
@@ -102,7 +103,7 @@ class Subscriber:
         self.stats = SubscriberStats()
         self._dealer = None
         self._sub = None
-        self._ctx = zmq.Context()
+        self._ctx = Context()
         try:
             self._open_sub()
             if replay_endpoint:

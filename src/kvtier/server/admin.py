@@ -2,7 +2,8 @@
 
 ``GET /healthz`` (200 ``ok`` / 503 with the reason), ``GET /status`` (JSON, every secret masked: keys naming
 one, ``user:password@`` and query strings of URLs such as an Azure SAS; namespaces are digests, never a
-``cache_salt``; tenant names only with the admin token, else their count), ``GET /metrics`` (Prometheus text from OpenTelemetry meters),
+``cache_salt``; tenant names only with the admin token, else their count), ``GET /metrics`` (Prometheus text from OpenTelemetry
+meters),
 ``POST /clear[?medium=CPU|STORAGE]``: a mutation, so it needs ``Authorization: Bearer <token>`` when an admin
 token is set (401 otherwise) and is refused when none is set (403) unless ``allow_unauthenticated_admin``.
 It never accepts what a browser can send cross-site without asking (a form post, ``text/plain``): the

@@ -55,6 +55,7 @@ from kvtier.server.session import (
 )
 from kvtier.server.turns import MAX_QUEUED, NEW_CONNECTIONS, Turns
 from kvtier.shm import hold_lock, reap_stale_shm
+from kvtier.zmq_context import Context
 
 log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
@@ -94,7 +95,7 @@ class KVTierServer(DataOps):
         self.heartbeat = time.monotonic()
         self.host_id = host_id()
         srv = config.server
-        self._ctx = zmq.Context()
+        self._ctx = Context()
         try:
             self.port = pick_port(srv.host, srv.port)
             self.keyring, created = server_keyring(config, self.port)

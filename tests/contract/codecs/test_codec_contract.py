@@ -19,7 +19,8 @@ LOSSLESS = ["none", "zstd", "zstd:shuffle=none", "zstd:level=3", "zstd:level=-3"
 LOSSY = {
     "fp8_e4m3": (0.07, 0.05), "fp8_e4m3:scale=channel": (0.07, 0.05), "fp8_e4m3:scale=kivi,group=16": (0.07, 0.05),
     "int8": (0.01, 0.02), "int8:scale=channel,group=4": (0.01, 0.02), "int8:scale=kivi": (0.01, 0.02),
-    "fp8_e4m3+zstd": (0.07, 0.05), "int8+lz4": (0.01, 0.02), "fp8_e4m3+blosc_zstd": (0.07, 0.05), "bf16": (0.004, 0.004), "bf16+zstd": (0.004, 0.004),
+    "fp8_e4m3+zstd": (0.07, 0.05), "int8+lz4": (0.01, 0.02), "fp8_e4m3+blosc_zstd": (0.07, 0.05),
+    "bf16": (0.004, 0.004), "bf16+zstd": (0.004, 0.004),
 }
 ALL = LOSSLESS + list(LOSSY)
 DTYPES = ["float32", "bfloat16", "float16"]

@@ -20,6 +20,7 @@ from kvtier.client import Client
 from kvtier.errors import ConfigError
 from kvtier.events import BlockStored, Subscriber
 from kvtier.events.relay import EventRelay
+from kvtier.zmq_context import Context
 
 
 def events_config() -> dict:
@@ -81,7 +82,7 @@ def deployment(tmp_path):
 
 def test_a_plain_subscriber_and_another_tenant_receive_none_of_a_tenants_tokens(deployment):
     d = deployment
-    ctx = zmq.Context()
+    ctx = Context()
     plain = ctx.socket(zmq.SUB)
     plain.setsockopt(zmq.SUBSCRIBE, b"")
     plain.connect(d.ev["endpoint"])

@@ -17,6 +17,7 @@ from kvtier.layout import KVLayout
 from kvtier.events import (END_SEQ, BlockIndex, BlockStored, EventBatch, EventEmitter, EventPublisher, Gap,
                            Subscriber, decode_batch, encode_batch, should_bind)
 from kvtier.metrics import Metrics
+from kvtier.zmq_context import Context
 
 TCP = "tcp://127.0.0.1:0"
 
@@ -69,7 +70,7 @@ def test_bind_rule():
 
 
 def test_frames_topic_contiguous_seq_from_zero_and_payload(pub):
-    ctx = zmq.Context()
+    ctx = Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(pub.endpoint)
@@ -98,7 +99,7 @@ def test_first_seq_is_zero_and_replay_protocol_layout(pub):
     for i in range(4):
         pub.publish([event(i)])
     assert wait_for(lambda: pub.stats()["next_seq"] == 4)
-    ctx = zmq.Context()
+    ctx = Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(pub.replay_endpoint)
     try:
@@ -167,7 +168,7 @@ def test_live_gap_larger_than_the_buffer_delivers_what_exists_and_reports_the_re
 
 
 def test_bad_frames_are_skipped_counted_and_the_subscriber_keeps_going():
-    ctx = zmq.Context()
+    ctx = Context()
     raw = ctx.socket(zmq.PUB)
     port = raw.bind_to_random_port("tcp://127.0.0.1")
     good = encode_batch(EventBatch(1.0, [event(1)], 0))
@@ -215,7 +216,7 @@ def test_ipc_endpoints(tmp_path):
 
 
 def test_connect_mode_publisher_to_a_binding_subscriber():
-    ctx = zmq.Context()
+    ctx = Context()
     probe = ctx.socket(zmq.PUB)
     port = probe.bind_to_random_port("tcp://127.0.0.1")
     probe.close()  # a free port for the subscriber to bind

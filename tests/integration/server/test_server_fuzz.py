@@ -16,6 +16,7 @@ from support.server import CHUNK, LAYOUT, ServerProc, authenticated
 
 from kvtier import protocol as P
 from kvtier.client import Client
+from kvtier.zmq_context import Context
 
 NUM_MESSAGES = int(os.environ.get("KVTIER_FUZZ_MESSAGES", "100000"))
 BATCH = 200  # pipelined, under the principal's queue bound (256): replies then come in order
@@ -75,7 +76,7 @@ def make_message(rng: random.Random, rid: int) -> tuple[list[bytes], int | None,
 def test_server_survives_random_and_malformed_messages(tmp_path):
     rng = random.Random(20261129)
     with ServerProc(tmp_path, l1="16MB") as server:
-        ctx = zmq.Context()
+        ctx = Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         authenticated(sock, server.url).connect(server.url)
@@ -121,7 +122,7 @@ def test_server_survives_random_and_malformed_messages(tmp_path):
 
 def test_oversized_header_is_refused_not_decoded(tmp_path):
     with ServerProc(tmp_path) as server:
-        ctx = zmq.Context()
+        ctx = Context()
         sock = ctx.socket(zmq.DEALER)
         authenticated(sock, server.url).connect(server.url)
         sock.send(b"\x90" * (P.MAX_HEADER_BYTES + 1))

@@ -18,6 +18,7 @@ from kvtier.models import tiny_model
 from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.proc import host_id
+from kvtier.zmq_context import Context
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_extra_keys_on_the_wire_decide_the_hashes(server):
 
 
 def ask(url: str, *msgs):
-    ctx = zmq.Context()
+    ctx = Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     authenticated(sock, url).connect(url)

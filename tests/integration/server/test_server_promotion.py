@@ -17,6 +17,7 @@ from support.server import CHUNK, LAYOUT, ServerProc, authenticated, metric_valu
 from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.proc import host_id
+from kvtier.zmq_context import Context
 
 TOKEN = "promotion-admin"
 HANG_SECONDS = 3600.0  # an adapter call that never comes back within the test
@@ -51,7 +52,7 @@ class Raw:
     """A bare DEALER that sends a request and reads its reply later (or never)."""
 
     def __init__(self, url: str):
-        self.ctx = zmq.Context()
+        self.ctx = Context()
         self.sock = authenticated(self.ctx.socket(zmq.DEALER), url)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(url)

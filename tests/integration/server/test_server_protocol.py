@@ -12,6 +12,7 @@ from kvtier.client import Client
 from kvtier.errors import ProtocolError
 from kvtier.layout import KVLayout
 from kvtier.proc import host_id
+from kvtier.zmq_context import Context
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ class Raw:
     """A bare DEALER speaking the protocol by hand."""
 
     def __init__(self, url: str):
-        self.ctx = zmq.Context()
+        self.ctx = Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         authenticated(self.sock, url).connect(url)

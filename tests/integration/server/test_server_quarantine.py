@@ -21,6 +21,7 @@ from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.client.dataplane import attach_arena
 from kvtier.proc import host_id
+from kvtier.zmq_context import Context
 
 
 def kv_for(tokens, seed):
@@ -103,7 +104,7 @@ def test_bytes_changed_after_commit_are_never_written_to_l2_nor_served(tmp_path)
     with ServerProc(tmp_path, l1="64KB", config=config) as server, \
             Client(server.url, model="m", layout=LAYOUT) as honest:
         assert honest.store(first, kv_for(first, 3)) == 1  # keeps the L2 writer busy for 1.5 s
-        ctx = zmq.Context()
+        ctx = Context()
         sock = authenticated(ctx.socket(zmq.DEALER), server.url)
         sock.connect(server.url)
 

@@ -18,6 +18,7 @@ from kvtier.auth.curve import apply_client
 from kvtier.auth.secret_file import Credentials, default_secret_file, load_or_create, read_credentials
 from kvtier.events.subscriber import Subscriber
 from kvtier.client import Client
+from kvtier.zmq_context import Context
 
 
 ADMIN_TOKEN = "security-test-admin-token"
@@ -42,7 +43,7 @@ class Attack:
     DEALERs with no id, which make libzmq generate one (the abort, on an unguarded ROUTER)."""
 
     def __init__(self):
-        self.ctx = zmq.Context()
+        self.ctx = Context()
         self.socks: list[zmq.Socket] = []  # held open: a collected socket would close its connection
 
     def peer(self, url: str, routing_id: bytes | None, creds=None) -> None:
@@ -158,7 +159,7 @@ def test_a_process_squatting_on_the_port_learns_nothing(tmp_path, squatter, capl
     caplog.set_level(logging.ERROR, logger="kvtier")
     port = free_port()
     load_or_create(default_secret_file(port))  # a server ran on this port before, as this user
-    ctx = zmq.Context()
+    ctx = Context()
     trap = ctx.socket(zmq.ROUTER)
     if squatter == "curve":  # a CurveZMQ server with a key of its own that accepts every client key
         trap.curve_server = True
