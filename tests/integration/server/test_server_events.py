@@ -10,6 +10,7 @@ import torch
 from kvtier.events import BlockIndex, BlockStored, Subscriber
 from kvtier.hashing import event_id, prefix_hashes
 from kvtier.client import Client
+from kvtier.auth.secret_file import secret_file_for
 from support.server import CHUNK, LAYOUT, ServerProc, free_port
 
 
@@ -19,7 +20,8 @@ def test_server_publishes_events_a_router_can_index(tmp_path):
              "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "--block-size", "8",
              "--l2-adapter", f'{{"type": "local_disk", "path": "{tmp_path / "disk"}"}}')
     with ServerProc(tmp_path, extra=extra) as server, \
-            Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv-events") as sub:
+            Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv-events",
+                       secret_file=secret_file_for(server.url)[0]) as sub:
         client = Client(server.url, model="m", layout=LAYOUT)
         tokens = list(range(1, 2 * CHUNK + 1))
         # the subscriber may join after the first batches: replay from seq 0 covers that
@@ -44,23 +46,24 @@ def test_cli_subscriber_prints_the_seed_format(tmp_path):
     pub = free_port()
     extra = ("--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}")
     with ServerProc(tmp_path, extra=extra) as server:
+        # the server authenticates its event stream (kv_events.auth follows the request port's authentication)
         cli = subprocess.Popen([sys.executable, "-m", "kvtier", "events", "subscribe", "--endpoint",
                                 f"tcp://127.0.0.1:{pub}", "--topic", "kv-events", "--max-batches", "1",
-                                "--timeout-seconds", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        client = Client(server.url, model="m", layout=LAYOUT)
+                                "--timeout-seconds", "30", "--auth-secret-file", str(secret_file_for(server.url)[0])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         tokens = list(range(CHUNK))
-        # PUB/SUB joins asynchronously: keep storing new prompts until the subscriber has its batch
-        for i in range(200):
-            client.store([i + 1000] + tokens[1:], torch.zeros(LAYOUT.chunk_shape(CHUNK)))
-            try:
-                out, err = cli.communicate(timeout=0.1)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        else:
-            cli.kill()
-            raise AssertionError("subscriber printed nothing")
-        client.close()
+        with Client(server.url, model="m", layout=LAYOUT) as client:
+            # PUB/SUB joins asynchronously: keep storing new prompts until the subscriber has its batch
+            for i in range(200):
+                client.store([i + 1000] + tokens[1:], torch.zeros(LAYOUT.chunk_shape(CHUNK)))
+                try:
+                    out, err = cli.communicate(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            else:
+                cli.kill()
+                raise AssertionError(f"subscriber printed nothing: {cli.communicate()[1]}")
     assert cli.returncode == 0, err
     lines = out.strip().splitlines()
     assert lines[0].startswith("Received event batch at ")
@@ -77,7 +80,8 @@ def test_clearing_l2_behind_queued_writes_leaves_no_storage_block_in_a_routers_v
     extra = ("--enable-kv-events", "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
              "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "--l2-adapter", json.dumps(slow))
     with ServerProc(tmp_path, token="tok", extra=extra, config={"l2_write_queue_size": 256}) as server, \
-            Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv-events") as sub, \
+            Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv-events",
+                       secret_file=secret_file_for(server.url)[0]) as sub, \
             Client(server.url, model="m", layout=LAYOUT) as client:
         prompts = [list(range(10_000 * i, 10_000 * i + 2 * CHUNK)) for i in range(1, 41)]
         for tokens in prompts:  # 80 L2 writes of 20 ms each are still queued when the clear comes
