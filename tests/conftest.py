@@ -6,10 +6,12 @@ Also a private ``$XDG_RUNTIME_DIR`` for the whole run: kvtier servers keep their
 files out of the user's own and removes them after the run. Subprocesses (servers, vLLM) inherit it.
 
 ``scripts/test.sh`` runs the suite on two pytest-xdist workers (``--dist loadscope``, scheduled by
-``pytest_xdist_make_scheduler`` below): the modules that run an engine (vLLM, Dynamo, transformers, the demo) are
-one scope, so they run one after another on one worker, as they did alone (each takes the machine's cores and the
-model cache), while the other worker takes the other modules, each module whole. vLLM computes on one core
-(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``): on this 2-core machine the second core was idle during its tests.
+``pytest_xdist_make_scheduler`` below): the modules that run vLLM or a Dynamo deployment are one scope, so they
+run one after another on one worker, as they did alone (each binds the machine's cores and shares the model cache),
+while the other worker takes the other modules, each module whole. vLLM computes on one core
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``): on this 2-core machine the second core was idle during its tests. The
+transformers tests (``test_hf_connector``, the demo) assert outputs, never speed, so they run on the other worker:
+the vLLM scope is the suite's critical path (about 20 of its minutes).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def pytest_unconfigure(config) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-# modules that start an engine or a deployment (vLLM, Dynamo, transformers, the demo)
-_ENGINE_MODULES = re.compile(r"(^|/)(test_vllm_\w+|test_dynamo_\w+|test_hf_connector|test_demo)\.py$")
+# modules that start vLLM or a Dynamo deployment
+_ENGINE_MODULES = re.compile(r"(^|/)(test_vllm_\w+|test_dynamo_\w+)\.py$")
 
 
 @pytest.hookimpl(optionalhook=True)
