@@ -108,7 +108,7 @@ class KVLayout:
         try:
             return cls(**data)
         except TypeError as exc:
-            raise InputError(f"invalid KV layout {data!r}: {exc}") from None
+            raise InputError(f"invalid KV layout {data!r}: {exc}") from exc
 
     @classmethod
     def from_hf_config(cls, config, dtype: str = "float32", tp_size: int = 1, tp_rank: int = 0) -> "KVLayout":

@@ -194,7 +194,7 @@ def decode_header(buf) -> tuple[RecordHeader, int]:
     try:
         header = _decoder.decode(view[PREFIX_BYTES:PREFIX_BYTES + hlen])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CorruptRecordError(f"record header unreadable: {exc}") from None
+        raise CorruptRecordError(f"record header unreadable: {exc}") from exc
     return header, PREFIX_BYTES + hlen
 
 

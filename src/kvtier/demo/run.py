@@ -62,7 +62,7 @@ def read_document(tokenizer, path: Path, max_tokens: int) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace").strip()
     except OSError as exc:
-        raise KVTierError(f"cannot read document {path}: {exc.strerror}; pass --document with a text file") from None
+        raise KVTierError(f"cannot read document {path}: {exc.strerror}; pass --document with a text file") from exc
     if not text:
         raise KVTierError(f"document {path} is empty; pass --document with a long text file")
     ids = tokenizer(text, add_special_tokens=False).input_ids

@@ -200,7 +200,7 @@ def _event(obj, raw: bool) -> Event | None:
                 lora_name=fields.get("lora_name"),
                 **{k: v for k, v in kw.items() if k not in _STORED_ORDER})
         except (KeyError, TypeError) as exc:
-            raise DecodeError(f"BlockStored event is malformed: {exc}") from None
+            raise DecodeError(f"BlockStored event is malformed: {exc}") from exc
     if tag == "BlockRemoved":
         if "block_hashes" not in fields:
             raise DecodeError("BlockRemoved event has no block_hashes")
@@ -247,7 +247,7 @@ def decode_batch(payload: bytes, *, raw_hashes: bool = False) -> EventBatch:
     try:
         obj = _raw_decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        raise DecodeError(f"payload is not msgpack: {exc}") from None
+        raise DecodeError(f"payload is not msgpack: {exc}") from exc
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
         raise DecodeError("payload is not an event batch [ts, events, dp_rank?]")
     ts = obj[0]

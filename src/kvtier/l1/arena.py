@@ -120,9 +120,9 @@ class Arena:
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EFBIG):
                     raise ConfigError(f"cannot reserve {capacity_bytes} bytes for the L1 arena in {path}: "
-                                      f"{exc.strerror}") from None
+                                      f"{exc.strerror}") from exc
                 stat = os.statvfs(SHM_DIR)
-                raise ConfigError(_no_room(stat.f_bavail * stat.f_frsize, capacity_bytes)) from None
+                raise ConfigError(_no_room(stat.f_bavail * stat.f_frsize, capacity_bytes)) from exc
             return mmap.mmap(fd, capacity_bytes, flags=mmap.MAP_SHARED), os.fstat(fd).st_ino
         except BaseException:
             os.unlink(path)

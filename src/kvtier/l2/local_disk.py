@@ -434,7 +434,7 @@ class LocalDiskAdapter(L2Adapter):
     def _item_error(self, op: str, path: str, exc: OSError, result):
         if exc.errno in _ADAPTER_WIDE_ERRNOS or not os.path.isdir(self.root):
             raise StorageError(f"local_disk {op} failed for the whole directory {self.root}: "
-                               f"{exc.strerror or exc}; check that it exists, is mounted and is writable") from None
+                               f"{exc.strerror or exc}; check that it exists, is mounted and is writable") from exc
         if exc.errno not in self._logged_errnos:  # once per errno: a full disk must not flood the log
             self._logged_errnos.add(exc.errno)
             log.warning("local_disk %s failed on %s: %s (further errors of this kind are not logged)",
@@ -480,6 +480,6 @@ class LocalDiskAdapter(L2Adapter):
                 return
             raise ConfigError(f"local_disk path {self.root!r} is not usable ({exc.strerror or exc}); "
                               "give 'path' a directory kvtier can create and write, or fix its "
-                              "permissions or mount") from None
+                              "permissions or mount") from exc
         finally:
             fileio.remove(probe)

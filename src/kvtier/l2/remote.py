@@ -187,7 +187,10 @@ class RemoteAdapter(L2Adapter):
         """Name -> size in bytes of every record under the prefix, asked of the service."""
 
     def _fail(self, op: str, exc: BaseException) -> StorageError:
-        """The StorageError for ``exc`` met during ``op``; an unreachable service also marks the link down."""
+        """The StorageError for ``exc`` met during ``op``; an unreachable service also marks the link down.
+        Callers raise it ``from None``, the one place adapters drop the cause: the cause's text can hold a
+        credential (a URL's password, a SAS query) and L2 errors are logged with their traceback; its type and
+        scrubbed text are in the message instead."""
         self._link.failed(exc)
         return StorageError(f"L2 {self.label}: {op} failed: {self._scrub(describe(exc))}")
 

@@ -196,7 +196,7 @@ class AdminHTTP:
         except OSError as exc:
             self.sock.close()
             raise ConfigError(f"cannot listen on {host}:{port} (--admin-host/--admin-port): {exc.strerror}; "
-                              "pick another --admin-port") from None
+                              "pick another --admin-port") from exc
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(build_app(server, telemetry), log_level="warning", lifespan="off",
                                 access_log=False)

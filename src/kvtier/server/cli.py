@@ -27,7 +27,7 @@ def _adapter_spec(value: str) -> dict:
         spec = json.loads(value)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--l2-adapter {value!r} is not valid JSON ({exc.msg} at column {exc.colno}); "
-                          """write e.g. '{"type": "local_disk", "path": "/data/kvtier"}'""") from None
+                          """write e.g. '{"type": "local_disk", "path": "/data/kvtier"}'""") from exc
     if not isinstance(spec, dict):
         raise ConfigError(f"--l2-adapter must be a JSON object with a 'type', got {value!r}")
     return spec
@@ -156,7 +156,7 @@ def status(admin_url: str, timeout_seconds: float) -> None:
         with urllib.request.urlopen(url, timeout=timeout_seconds) as response:
             body = json.load(response)
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise KVTierError(f"cannot read {url}: {getattr(exc, 'reason', exc)}; is the server running?") from None
+        raise KVTierError(f"cannot read {url}: {getattr(exc, 'reason', exc)}; is the server running?") from exc
     json.dump(body, sys.stdout, indent=2)
     sys.stdout.write("\n")
 

@@ -101,7 +101,7 @@ class KVTierServer(DataOps):
             self.keyring, created = server_keyring(config, self.port)
         except (OSError, KVTierError) as exc:
             self._ctx.term()
-            raise ConfigError(f"cannot start on {srv.host}:{srv.port}: {exc}") from None
+            raise ConfigError(f"cannot start on {srv.host}:{srv.port}: {exc}") from exc
         # a secret made for a port the OS picked (--port 0) names a port no later server will have: removed at close
         self._secret_made_for_port_0 = created and srv.port == 0 and not srv.auth_secret_file
         self.sock, self._zap = guarded_router(self._ctx, self.keyring, self._refused)
@@ -116,7 +116,7 @@ class KVTierServer(DataOps):
         except zmq.ZMQError as exc:
             self._undo_sockets(created)
             raise ConfigError(f"cannot listen on {srv.host}:{srv.port} (--host/--port): {exc.strerror}; "
-                              "is another server running? pick another --port") from None
+                              "is another server running? pick another --port") from exc
         self.endpoint = f"tcp://{srv.host}:{self.port}"
         if srv.shared_memory:
             reap_stale_shm()

@@ -97,7 +97,7 @@ def check_hello(msg: P.Hello, config: KVTierConfig, l1_capacity_bytes: int) -> K
     try:
         layout = KVLayout.from_dict(msg.layout)
     except KVTierError as exc:
-        raise HandshakeRefused("layout_mismatch", f"invalid KV layout: {exc}") from None
+        raise HandshakeRefused("layout_mismatch", f"invalid KV layout: {exc}") from exc
     if layout.layout_id != msg.layout_id:
         raise HandshakeRefused("layout_mismatch", f"layout id differs: client computed {msg.layout_id}, server "
                                f"computes {layout.layout_id} for {layout.to_dict()}; kvtier versions differ")
