@@ -1,6 +1,7 @@
 """BlockMirror: a kvtier server's events turned into one engine's events (no sockets)."""
 
-from kvtier.connectors.server_feed import BlockMirror, engine_subscribe_endpoint
+from kvtier.connectors.block_mirror import BlockMirror
+from kvtier.connectors.server_feed import engine_subscribe_endpoint
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4

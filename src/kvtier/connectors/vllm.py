@@ -112,7 +112,8 @@ class KVTierConnector(HybridScheduler, HybridWorker, SchedulerSide, WorkerSide, 
         self._init_scheduler()
         self._feed = None  # the kvtier server's chunks as this engine's KV events (scheduler side)
         if role == KVConnectorRole.SCHEDULER and not self._in_process:
-            from kvtier.connectors.server_feed import EngineFlush, open_feed
+            from kvtier.connectors.engine_flush import EngineFlush
+            from kvtier.connectors.server_feed import open_feed
 
             self._engine_flush = EngineFlush(self, to_vllm_events)
             self._feed = open_feed(vllm_config, self.block_size, endpoint=settings.server_events,

@@ -245,7 +245,7 @@ def test_a_reannouncement_waits_for_the_engines_clear_before_an_idle_flush(tmp_p
 
 
 def test_the_engines_publisher_is_found_through_the_scheduler_that_owns_the_connector():
-    from kvtier.connectors.server_feed import _scheduler_publisher
+    from kvtier.connectors.engine_flush import _scheduler_publisher
 
     class Connector:
         pass
