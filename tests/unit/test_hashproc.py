@@ -84,17 +84,19 @@ def test_a_dead_child_is_replaced_after_the_backoff(proc, monkeypatch):
 
 
 def test_a_stopped_child_is_killed_and_replaced(monkeypatch):
-    proc = HashProcess(reply_timeout_seconds=0.5)
+    proc = HashProcess(reply_timeout_seconds=30.0)  # a child starts Python first: on a loaded machine that takes > 0.5 s
     try:
         tokens = np.arange(1 << 16)  # a 512 KiB job, more than a pipe holds: the write must give up too
         want = prefix_hashes(tokens, 16, "sha256", "s")
         assert proc.prefix_hashes(tokens, 16, "sha256", "s") == want
         first = proc._proc
+        proc.reply_timeout_seconds = 0.5
         os.kill(first.pid, signal.SIGSTOP)
         with pytest.raises(HashProcessError, match="no answer within 0.5 s"):
             proc.prefix_hashes(tokens, 16, "sha256", "s")
         assert first.wait(5) == -signal.SIGKILL
         monkeypatch.setattr(hashproc, "RESTART_BACKOFF_SECONDS", 0.0)
+        proc.reply_timeout_seconds = 30.0
         assert proc.prefix_hashes(tokens, 16, "sha256", "s") == want and proc._proc.pid != first.pid
     finally:
         proc.close()

@@ -122,8 +122,7 @@ def _sessions_and_leases(server) -> dict:
                     "idle_seconds": round(now - s.last_seen, 3),
                     "reserved_bytes": s.usage.reserved_bytes, "leases": s.usage.leases}
                    for s in server.sessions.values()]
-        leases = {"store": sum(1 for x in server.leases.values() if x.kind == "store"),
-                  "retrieve": sum(1 for x in server.leases.values() if x.kind == "retrieve")}
+        leases = server.data.lease_counts()
         return {"clients": clients, "leases": leases, "caches": len(server.caches),
                 "promotions": {"waiting": len(server.promoter.waiting), "in_flight": server.promoter.in_flight},
                 "queued_requests": len(server.turns),

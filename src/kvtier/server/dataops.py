@@ -1,13 +1,13 @@
 """DataOps: the server's data path (store, retrieve, prefetch), their leases and the promotions they start.
 
-Mixed into ``KVTierServer`` (``server/server.py``), whose dispatch calls the ``_on_StoreBegin`` /
-``_on_StoreCommit`` / ``_on_RetrieveBegin`` / ``_on_RetrieveEnd`` / ``_on_Prefetch`` handlers on the request
-thread under ``server.lock``. None of them waits for L2 I/O: L2 reads go to the promotion pool
-(``_promote_later``), and ``_answer_promotions``, called by the request loop when the pool hands jobs back, takes
-the lock itself.
+A part of ``KVTierServer`` (``server/server.py``), made by its constructor with what it uses and owning the lease
+table. The server's dispatch calls ``store_begin`` / ``store_commit`` / ``retrieve_begin`` / ``retrieve_end`` /
+``prefetch`` on the request thread under the server's lock. None of them waits for L2 I/O: L2 reads go to the
+promotion pool (``_promote_later``), and ``answer_promotions``, called by the request loop when the pool hands jobs
+back, takes the lock itself.
 
 Life cycle: store and retrieve hand out L1 slots; each reservation or pin is a *lease* that expires after
-``server.lease_seconds`` (``DataOps._expire_leases``, from the request loop): an expired store is aborted (its half-written chunk never
+``server.lease_seconds`` (``DataOps.expire_leases``, from the request loop): an expired store is aborted (its half-written chunk never
 becomes visible; its slots are quarantined while the client may still write into them, ``server/limits.py``)
 and an expired retrieve is unpinned (the client's late ``RetrieveEnd`` gets ``lease_expired`` and discards what
 it copied).
@@ -18,19 +18,59 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import deque
 
 from kvtier import protocol as P
 from kvtier.errors import KVTierError
 from kvtier.server.promote import Job
-from kvtier.server.session import Lease, Session, check_frames, frame_budget
+from kvtier.server.limits import ExpiryLog
+from kvtier.server.session import Lease, Session, check_frames, error_reply, frame_budget, limited_reply
 
 log = logging.getLogger(__name__)
 
 
 class DataOps:
-    """Store / retrieve / prefetch handlers and leases of ``KVTierServer``, which sets the state they use
-    (``config``, ``metrics``, ``tiers``, ``lock``, ``sessions``, ``leases``, ``_lease_deadlines``, ``_expired``, ``_next_ticket``,
-    ``limits``, ``quarantine``, ``promoter``, ``lookups``, ``_expiry_log``) and provides ``_err``, ``_limited`` and ``_send``."""
+    """Store / retrieve / prefetch handlers and their leases.
+
+    Args:
+        config: the server's configuration (``config.server``: lease, promotion and message bounds).
+        metrics: the server's metrics (counted here: store / retrieve seconds, lease expiries, promotions).
+        tiers: the shared ``Tiers`` (L1 slots are reserved and pinned here; L2 is only asked through its index).
+        sessions: the server's sessions by connection identity (read only here: a promotion's client may be gone).
+        limits, quarantine: the server's ``ClientLimits`` and ``Quarantine`` (``server/limits.py``).
+        promoter, lookups: the promotion pool and the lookup prober (``server/promote.py``, ``server/lookup.py``).
+        lock: the server's lock (``answer_promotions`` runs outside the request dispatch and takes it).
+        send: ``send(identity, reply, frames)``, the server's reply path.
+
+    Owns the lease table: ``leases`` (ticket -> ``Lease``), the deadline heap, the ticket counter and the
+    recently expired tickets.
+    """
+
+    def __init__(self, config, metrics, tiers, sessions: dict[bytes, Session], limits, quarantine, promoter, lookups,
+                 lock, send) -> None:
+        self.config, self.metrics, self.tiers, self.sessions = config, metrics, tiers, sessions
+        self.limits, self.quarantine, self.promoter, self.lookups = limits, quarantine, promoter, lookups
+        self.lock, self._send = lock, send
+        self.leases: dict[int, Lease] = {}
+        # (deadline, ticket) of every lease, ended ones too until their deadline: expiry never scans all leases
+        self._lease_deadlines: list[tuple[float, int]] = []
+        self._expired: deque[int] = deque(maxlen=4096)  # recently expired tickets: "lease_expired", not "unknown"
+        self._next_ticket = 1
+        self._expiry_log = ExpiryLog()
+
+    def lease_counts(self) -> dict[str, int]:
+        """Live leases by kind (``store``, ``retrieve``), for ``/status``."""
+        kinds = [lease.kind for lease in self.leases.values()]
+        return {"store": kinds.count("store"), "retrieve": kinds.count("retrieve")}
+
+    def lease_caches(self) -> set[int]:
+        """``id()`` of every cache a live lease uses (such a cache must not be dropped)."""
+        return {id(lease.cache) for lease in self.leases.values()}
+
+    def abort_all(self) -> None:
+        """End every live lease as failed (the server stops): stores aborted, retrieves unpinned."""
+        for ticket in list(self.leases):
+            self._end_lease(self._pop_lease(ticket), ok=False)
 
     def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
         tid = self._next_ticket
@@ -43,7 +83,7 @@ class DataOps:
         session.usage.add(leases=1, reserved_bytes=nbytes)
         return tid
 
-    def _expire_leases(self, now: float) -> None:
+    def expire_leases(self, now: float) -> None:
         """End the leases whose deadline passed: a store is aborted (its slots quarantined), a retrieve unpinned."""
         for tid in self._due_leases(now):
             lease = self._pop_lease(tid)
@@ -70,18 +110,18 @@ class DataOps:
         lease.usage.add(leases=-1, reserved_bytes=-lease.nbytes)
         return lease
 
-    def _on_StoreBegin(self, identity, session, msg, payload):
+    def store_begin(self, identity, session, msg, payload):
         started = time.monotonic()
         shm = msg.shm and session.shm
         refusal = self.limits.check_leases(session.usage)
         if refusal:
-            return self._limited(msg, *refusal), []
+            return limited_reply(self.metrics, msg, *refusal), []
         ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                            extra_keys=msg.extra_keys, start=msg.start,
                                            max_bytes=self.limits.reserve_budget(session.usage))
         ticket.on_lost = session.count_lost
         if ticket.limited and not ticket.slots:
-            return self._limited(msg, *self.limits.reserved_refusal(session.usage)), []
+            return limited_reply(self.metrics, msg, *self.limits.reserved_refusal(session.usage)), []
         if not shm:  # frames mode: keep what fits in one message; the rest is left for a later store
             keep = frame_budget(ticket.slots, self.config.server.max_message_bytes)
             for slot in ticket.slots[keep:]:
@@ -101,12 +141,12 @@ class DataOps:
             if kind == "store":  # the late commit of an expired store: the client's copy is over
                 self.quarantine.release_ticket(identity, msg.ticket)
             if msg.ticket in self._expired:
-                return None, self._err(msg, "lease_expired", f"ticket {msg.ticket} expired after "
+                return None, error_reply(msg, "lease_expired", f"ticket {msg.ticket} expired after "
                                        f"{self.config.server.lease_seconds} s; its slots were released")
-            return None, self._err(msg, "unknown_ticket", f"no {kind} ticket {msg.ticket} for this client")
+            return None, error_reply(msg, "unknown_ticket", f"no {kind} ticket {msg.ticket} for this client")
         return self._pop_lease(msg.ticket), None
 
-    def _on_StoreCommit(self, identity, session, msg, payload):
+    def store_commit(self, identity, session, msg, payload):
         lease, error = self._take_lease(msg, "store", identity)
         if error is not None:
             return error, []
@@ -115,7 +155,7 @@ class DataOps:
             problem = check_frames(payload, lease.slots)
             if problem:
                 self._end_lease(lease, ok=False)
-                return self._err(msg, "bad_payload", problem), []
+                return error_reply(msg, "bad_payload", problem), []
             try:
                 for slot, frame in zip(lease.ticket.slots, payload):
                     slot.view[:] = frame.buffer
@@ -124,7 +164,7 @@ class DataOps:
                 raise
         elif payload:
             self._end_lease(lease, ok=False)
-            return self._err(msg, "bad_payload", "shared-memory store takes no payload frames"), []
+            return error_reply(msg, "bad_payload", "shared-memory store takes no payload frames"), []
         stored = self._end_lease(lease, ok=ok)
         if ok:
             self.metrics.observe("kvtier_store_seconds", time.monotonic() - lease.started)
@@ -133,7 +173,7 @@ class DataOps:
     def _promote_later(self, identity, session, msg, after: Job | None = None) -> bool:
         """Hand the promotion of the L2-only chunks of ``msg.tokens`` to the pool when an L2 index holds the
         first chunk L1 lacks; it joins a promotion already reading that chunk (``Promoter.submit``). True: the
-        reply is deferred (``_answer_promotions``). ``after``: the job this request followed, now finished
+        reply is deferred (``answer_promotions``). ``after``: the job this request followed, now finished
         (its start and deadline are kept: what that promotion did not bring is read now)."""
         cache = session.cache
         namespace = session.namespace_for(msg.namespace)
@@ -158,7 +198,7 @@ class DataOps:
         self.metrics.inc("kvtier_l2_promotions_refused_total")
         return False
 
-    def _answer_promotions(self, jobs: list[Job], timed_out: bool = False) -> None:
+    def answer_promotions(self, jobs: list[Job], timed_out: bool = False) -> None:
         """Reply to finished (or timed-out) promotions; a client gone meanwhile gets nothing and pins nothing."""
         if not jobs:
             return
@@ -180,11 +220,11 @@ class DataOps:
                 try:
                     replies.append((job.identity, *handler(job.identity, job.session, job.msg, job.started)))
                 except KVTierError as exc:
-                    replies.append((job.identity, self._err(job.msg, "bad_request", str(exc)), []))
+                    replies.append((job.identity, error_reply(job.msg, "bad_request", str(exc)), []))
         for identity, reply, out in replies:
             self._send(identity, reply, out)
 
-    def _on_Prefetch(self, identity, session, msg, payload):
+    def prefetch(self, identity, session, msg, payload):
         self.metrics.inc("kvtier_prefetch_requests_total")
         if self._promote_later(identity, session, msg):
             return None, []
@@ -196,7 +236,7 @@ class DataOps:
         n = session.cache.l1_prefix(refs)
         return P.PrefetchReply(id=msg.id, num_tokens=refs[n - 1].end if n else 0), []
 
-    def _on_RetrieveBegin(self, identity, session, msg, payload):
+    def retrieve_begin(self, identity, session, msg, payload):
         if self._promote_later(identity, session, msg):
             return None, []
         return self._retrieve_reply(identity, session, msg, time.monotonic())
@@ -206,7 +246,7 @@ class DataOps:
         cache = session.cache
         refusal = self.limits.check_leases(session.usage)
         if refusal and msg.shm and session.shm:
-            return self._limited(msg, *refusal), []
+            return limited_reply(self.metrics, msg, *refusal), []
         ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                       extra_keys=msg.extra_keys, promote=False, start=msg.start)
         shm = msg.shm and session.shm
@@ -215,7 +255,7 @@ class DataOps:
             refusal = self.limits.check_unread(session.usage, sum(s.nbytes for s in ticket.slots[:keep]))
             if refusal:
                 cache.end_retrieve(ticket)
-                return self._limited(msg, *refusal), []
+                return limited_reply(self.metrics, msg, *refusal), []
             try:
                 slots = [P.Slot(s.ref.index, -1, s.nbytes) for s in ticket.slots[:keep]]
                 frames = [bytes(s.view) for s in ticket.slots[:keep]]  # copied before the pins go
@@ -231,7 +271,7 @@ class DataOps:
         tid = self._new_lease("retrieve", identity, session, ticket, True, slots, started)
         return P.RetrieveSlots(id=msg.id, ticket=tid, num_tokens=ticket.num_tokens, slots=slots), []
 
-    def _on_RetrieveEnd(self, identity, session, msg, payload):
+    def retrieve_end(self, identity, session, msg, payload):
         lease, error = self._take_lease(msg, "retrieve", identity)
         if error is not None:
             return error, []

@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
 
 import msgspec
 import zmq
@@ -42,15 +41,16 @@ from kvtier.server.dataops import DataOps
 from kvtier.server.lookup import LookupProber
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
-from kvtier.server.limits import ClientLimits, ExpiryLog, Quarantine
+from kvtier.server.limits import ClientLimits, Quarantine
 from kvtier.server.principals import Principals, principal_of
 from kvtier.server.session import (
     HandshakeRefused,
-    Lease,
     Session,
     admin_refusal,
     check_hello,
+    error_reply,
     handshake_values,
+    limited_reply,
     scoped_namespace,
 )
 from kvtier.server.turns import MAX_QUEUED, NEW_CONNECTIONS, Turns
@@ -73,7 +73,7 @@ def pick_port(host: str, port: int) -> int:
         return probe.getsockname()[1]
 
 
-class KVTierServer(DataOps):
+class KVTierServer:
     """ZMQ request server over shared ``Tiers``.
 
     Args:
@@ -132,12 +132,7 @@ class KVTierServer(DataOps):
         self._shm_lock = hold_lock(shm_name) if shm_name else None
         self.caches: dict[tuple[str, str, str], KVCache] = {}
         self.sessions: dict[bytes, Session] = {}
-        self.leases: dict[int, Lease] = {}
-        # (deadline, ticket) of every lease, ended ones too until their deadline: _expire never scans all leases
-        self._lease_deadlines: list[tuple[float, int]] = []
         self._next_idle_scan = 0.0
-        self._expired: deque[int] = deque(maxlen=4096)  # recently expired tickets: "lease_expired", not "unknown"
-        self._next_ticket = 1
         self._flushes: list[tuple] = []  # deferred Flush replies: (identity, id, deadline, session)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
         self.turns = Turns(srv.max_inflight_requests_per_principal if srv.client_limits else MAX_QUEUED)
@@ -148,7 +143,12 @@ class KVTierServer(DataOps):
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
         self.principals = Principals(self.limits)
         self.quarantine = Quarantine(self.tiers.l1, self.metrics)
-        self._expiry_log = ExpiryLog()
+        self.data = DataOps(config, self.metrics, self.tiers, self.sessions, self.limits, self.quarantine, self.promoter,
+                            self.lookups, self.lock, self._send)
+        self._handlers = {P.Ping: self._on_ping, P.Bye: self._on_bye, P.Stats: self._on_stats, P.Clear: self._on_clear,
+                          P.Flush: self._on_flush, P.Lookup: self._on_lookup, P.StoreBegin: self.data.store_begin,
+                          P.StoreCommit: self.data.store_commit, P.RetrieveBegin: self.data.retrieve_begin,
+                          P.RetrieveEnd: self.data.retrieve_end, P.Prefetch: self.data.prefetch}
         self.metrics.set("kvtier_connected_clients", 0)
 
     def _undo_sockets(self, keyring_created: bool) -> None:
@@ -176,16 +176,15 @@ class KVTierServer(DataOps):
             # woken at a deferred request's deadline; not waiting at all while requests wait for their turn
             if poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)):
                 self._receive()
-                self._answer_promotions(self.promoter.take_ready())
+                self.data.answer_promotions(self.promoter.take_ready())
                 self._answer_hashed(self.prehash.take_ready())
             for frames in self.turns.next_round():  # then the socket is read again: a new request waits one round
                 self._dispatch(frames)
-            self._answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
+            self.data.answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
             self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
             self._expire()
         with self.lock:
-            for ticket in list(self.leases):
-                self._end_lease(self._pop_lease(ticket), ok=False)
+            self.data.abort_all()
 
     def stop(self) -> None:
         """Ask the loop to stop (safe from a signal handler or another thread)."""
@@ -247,43 +246,35 @@ class KVTierServer(DataOps):
     def _handle_msg(self, identity: bytes, msg, header, payload: list, hashed: bool = False):
         try:
             if payload and not isinstance(msg, P.StoreCommit):
-                return self._err(msg, "bad_payload", f"{type(msg).__name__} takes no payload frames, got {len(payload)}"), []
+                return error_reply(msg, "bad_payload", f"{type(msg).__name__} takes no payload frames, got {len(payload)}"), []
             if isinstance(msg, P.Hello):
                 return self._hello(identity, msg, principal_of(header, self.keyring is not None)), []
             session = self.sessions.get(identity)
             if session is None:
-                return self._err(msg, "no_session", "no session for this connection: send Hello first"), []
+                return error_reply(msg, "no_session", "no session for this connection: send Hello first"), []
             session.last_seen = time.monotonic()
             refusal = self.limits.check_inflight(session.usage)
             if refusal:
-                return self._limited(msg, *refusal), []
+                return limited_reply(self.metrics, msg, *refusal), []
             tokens = getattr(msg, "tokens", None)
             if tokens is not None and (refusal := self.limits.check_prompt(tokens)):
                 self.metrics.inc("kvtier_client_limit_exceeded_total", limit="prompt_tokens")
-                return self._err(msg, "too_large", refusal), []
+                return error_reply(msg, "too_large", refusal), []
             if not hashed and (parked := self.prehash.park(identity, session, msg)):  # a long prompt: hashed first
-                return (None, []) if parked is True else (self._limited(msg, "hash_jobs", parked), [])
-            handler = getattr(self, "_on_" + type(msg).__name__)
-            return handler(identity, session, msg, payload)
+                return (None, []) if parked is True else (limited_reply(self.metrics, msg, "hash_jobs", parked), [])
+            return self._handlers[type(msg)](identity, session, msg, payload)
         except KVTierError as exc:
-            return self._err(msg, "bad_request", str(exc)), []
+            return error_reply(msg, "bad_request", str(exc)), []
         except Exception as exc:  # a bug must not take the server down: answer and log it
             log.exception("request %s failed", type(msg).__name__)
-            return self._err(msg, "internal", f"{type(exc).__name__}: {exc}"), []
+            return error_reply(msg, "internal", f"{type(exc).__name__}: {exc}"), []
 
-    @staticmethod
-    def _err(msg, code: str, message: str) -> P.Error:
-        return P.Error(id=msg.id, code=code, message=message)
-
-    def _limited(self, msg, limit: str, message: str) -> P.Error:
-        self.metrics.inc("kvtier_client_limit_exceeded_total", limit=limit)
-        return P.Error(id=msg.id, code="limit_exceeded", message=message)
 
     def _answer_hashed(self, jobs: list[Job], timed_out: bool = False) -> None:
         """Handle requests whose long prompt the hashing worker has put in the memo (``server/prehash.py``)."""
         for job in jobs:
             with self.lock:
-                reply, out = (self._limited(job.msg, "hash_jobs", self.prehash.late(job)), []) if timed_out else \
+                reply, out = (limited_reply(self.metrics, job.msg, "hash_jobs", self.prehash.late(job)), []) if timed_out else \
                     self._handle_msg(job.identity, job.msg, None, [], hashed=True)
             if reply is not None:
                 self._send(job.identity, reply, out)
@@ -292,21 +283,21 @@ class KVTierServer(DataOps):
     def _hello(self, identity: bytes, msg: P.Hello, auth: tuple[bool, str | None, str]):
         authenticated, tenant, principal = auth
         if not authenticated:  # every connection passes the ZAP handler; this one did not
-            return self._err(msg, "unauthorized", "connection not authenticated by this server")
+            return error_reply(msg, "unauthorized", "connection not authenticated by this server")
         try:
             layout = check_hello(msg, self.config, self.tiers.l1.capacity_bytes)
         except HandshakeRefused as exc:
-            return self._err(msg, exc.code, str(exc))
+            return error_reply(msg, exc.code, str(exc))
         old = self.sessions.get(identity)  # a second Hello on one connection: what it holds stays counted
         refusal = None if old is not None else self.principals.refusal(identity, principal)
         if refusal:  # before a cache is made for it
-            return self._limited(msg, *refusal)
+            return limited_reply(self.metrics, msg, *refusal)
         namespace = scoped_namespace(tenant, msg.namespace)
         cache_key = (msg.model, layout.layout_id, namespace)
         cache = self.caches.get(cache_key)
         if cache is None:
             if len(self.caches) >= MAX_CACHES:
-                return self._err(msg, "bad_request", f"this server already serves {MAX_CACHES} caches")
+                return error_reply(msg, "bad_request", f"this server already serves {MAX_CACHES} caches")
             cache = KVCache(self.config, msg.model, layout, namespace=namespace, tiers=self.tiers)
             self.caches[cache_key] = cache
         # one mapping of the arena reaches every slot, so a tenant's bytes travel as frames
@@ -324,10 +315,10 @@ class KVTierServer(DataOps):
                             **handshake_values(self.config))
 
     # ---- requests ------------------------------------------------------------------------------
-    def _on_Ping(self, identity, session, msg, payload):
+    def _on_ping(self, identity, session, msg, payload):
         return P.Ok(id=msg.id), []
 
-    def _on_Bye(self, identity, session, msg, payload):
+    def _on_bye(self, identity, session, msg, payload):
         self.sessions.pop(identity, None)
         self.principals.leave(identity)
         self.quarantine.release_client(identity)  # a client says Bye between calls, never inside a copy
@@ -335,7 +326,7 @@ class KVTierServer(DataOps):
         self.metrics.set("kvtier_connected_clients", len(self.sessions))
         return P.Ok(id=msg.id), []
 
-    def _on_Stats(self, identity, session, msg, payload):
+    def _on_stats(self, identity, session, msg, payload):
         if session.tenant is not None:  # server-wide counters would show other tenants' traffic: its own only
             usage = session.usage
             return P.StatsReply(id=msg.id, stats={"tenant": session.tenant, "leases": usage.leases,
@@ -344,13 +335,13 @@ class KVTierServer(DataOps):
         self.tiers.refresh_gauges()
         return P.StatsReply(id=msg.id, stats=self.metrics.snapshot()), []
 
-    def _on_Clear(self, identity, session, msg, payload):
+    def _on_clear(self, identity, session, msg, payload):
         refusal = admin_refusal(self.config, msg.admin_token)
         if refusal:
-            return self._err(msg, "unauthorized", refusal), []
+            return error_reply(msg, "unauthorized", refusal), []
         return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium, wait=False)), []
 
-    def _on_Flush(self, identity, session, msg, payload):
+    def _on_flush(self, identity, session, msg, payload):
         if self.tiers.l2.flush(0):
             return P.FlushReply(id=msg.id, done=session.flushed(True)), []
         # answered later by _expire, so a slow L2 never blocks the request loop
@@ -358,14 +349,14 @@ class KVTierServer(DataOps):
         session.usage.add(inflight=1)
         return None, []
 
-    def _on_Lookup(self, identity, session, msg, payload):  # deferred only to probe a shared L2 (server/lookup.py)
+    def _on_lookup(self, identity, session, msg, payload):  # deferred only to probe a shared L2 (server/lookup.py)
         return (None, []) if self.lookups.defer(identity, session, msg) else self.lookups.reply(identity, session, msg)
 
     # ---- leases and sessions -------------------------------------------------------------------
     def _expire(self) -> None:
         now = time.monotonic()
         with self.lock:
-            self._expire_leases(now)
+            self.data.expire_leases(now)
             self.quarantine.sweep(now)
             if self._flushes:
                 done = self.tiers.l2.flush(0)
@@ -386,7 +377,7 @@ class KVTierServer(DataOps):
 
     def _drop_idle_caches(self) -> None:
         """Forget caches no session or lease uses (their chunks stay in L1 and L2 under their keys)."""
-        used = {id(s.cache) for s in self.sessions.values()} | {id(x.cache) for x in self.leases.values()}
+        used = {id(s.cache) for s in self.sessions.values()} | self.data.lease_caches()
         for key in [k for k, c in self.caches.items() if id(c) not in used]:
             del self.caches[key]
 

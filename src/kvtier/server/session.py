@@ -150,3 +150,14 @@ def check_frames(payload: list, slots: list) -> str:
         if len(frame) != slot.nbytes:
             return f"frame {i} holds {len(frame)} bytes; slot {slot.chunk_index} needs {slot.nbytes}"
     return ""
+
+
+def error_reply(msg, code: str, message: str) -> P.Error:
+    """The ``Error`` answering request ``msg`` (``code``: one of ``kvtier.protocol``'s error codes)."""
+    return P.Error(id=msg.id, code=code, message=message)
+
+
+def limited_reply(metrics, msg, limit: str, message: str) -> P.Error:
+    """``Error(limit_exceeded)`` for ``msg``, counted in ``kvtier_client_limit_exceeded_total{limit}``."""
+    metrics.inc("kvtier_client_limit_exceeded_total", limit=limit)
+    return P.Error(id=msg.id, code="limit_exceeded", message=message)
