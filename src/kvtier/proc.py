@@ -1,6 +1,6 @@
 """Facts about local processes and this machine: whether a pid runs, when it started, which host and boot
 this is. Read by the shared-memory reaper (``kvtier.shm``), the local-disk adapter's stale-file cleanup
-(``l2/local_disk.py``), the client (its ``Hello``) and the server (is a client on this host, is its process
+(``l2/disk_index.py``), the client (its ``Hello``) and the server (is a client on this host, is its process
 still the one that said ``Hello``: ``server/server.py``, ``server/limits.py``)."""
 
 from __future__ import annotations

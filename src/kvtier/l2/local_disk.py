@@ -19,19 +19,21 @@ users could read are tightened at startup, or a warning names them when that is 
 A full disk (ENOSPC, EDQUOT) keeps the head of a ``put``: its records are chunks of one prompt in prefix order and a
 lookup stops at the first missing one, so when parallel writes let a later record take the space an earlier one
 needed, the later ones this put stored are deleted and the rest written again in order until one does not fit.
+
+This module holds the contract (``LocalDiskAdapter``) and its error policy: which errors fail one item and which
+the whole directory. Writing and reading a record file (temp file, fsync, rename, O_DIRECT and its fallback) is
+``l2.disk_files.RecordFiles``; the index of names and sizes, the layout, capacity eviction and the startup scan
+are ``l2.disk_index.DiskIndex``. The adapter holds ``DiskIndex.lock`` around each check and its update; file
+I/O runs outside it, except the unlinks of ``delete`` and of eviction.
 """
 
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
-import re
 import socket
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,19 +41,15 @@ import xxhash
 from pydantic import Field
 
 from kvtier.config import Bool, SizeGB
-from kvtier.errors import ConfigError, InputError, StorageError
+from kvtier.errors import ConfigError, StorageError
 from kvtier.l2 import fileio
 from kvtier.l2.base import AdapterConfig, Buffer, L2Adapter, Usage
-from kvtier.proc import pid_alive
+from kvtier.l2.disk_files import RecordFiles
+from kvtier.l2.disk_index import DiskIndex
 from kvtier.units import GB
 
 log = logging.getLogger(__name__)
 
-_NAME_RE = re.compile(r"[0-9a-f]{16}-[0-9a-f]{8,128}")
-_TEMP_RE = re.compile(r"\.([0-9a-f]{16}-[0-9a-f]{8,128})\.([0-9a-f]{8})\.(\d+)\.(\d+)\.tmp")
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_STALE_TEMP_SECONDS = 3600.0  # a temp file this old is a crashed write even if its pid looks alive
-_MAX_CACHED_BUFFER_BYTES = 64 << 20  # per-thread O_DIRECT write buffer kept for reuse up to this size
 _ADAPTER_WIDE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
@@ -102,30 +100,24 @@ class LocalDiskAdapter(L2Adapter):
         super().__init__(config)
         self.root = os.path.abspath(os.path.expanduser(config.path))
         self.capacity_bytes = config.capacity_bytes
-        self._depth = config.shard_depth
-        self._fsync = config.fsync
-        self._direct = config.direct_io and bool(fileio.O_DIRECT)
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
-        self._used_bytes = 0
-        self._reserved_bytes = 0  # writes in flight, counted against the capacity
-        self._seq = itertools.count()
         self._host = xxhash.xxh32_hexdigest(socket.gethostname().encode())
-        self._local = threading.local()
+        self._files = RecordFiles(self.root, self._host, config.fsync, config.direct_io)
+        self._index = DiskIndex(self.root, config.shard_depth, self.capacity_bytes, self._host,
+                                unlink=self._unlink, private=self._private)
         self._logged_errnos: set[int] = set()
         self._warned_open = False
         self._closed = False
         self._pool = ThreadPoolExecutor(config.num_threads, thread_name_prefix="kvtier-disk") \
             if config.num_threads > 1 else None
         self._check_writable()
-        if self._depth:  # first level up front: a lazily created shard costs two more journal commits per put
+        if config.shard_depth:  # first level up front: a lazily created shard costs two more journal commits per put
             try:
-                self._make_shard_dirs(*(os.path.join(self.root, f"{i:02x}") for i in range(256)))
+                self._files.make_dirs(*(os.path.join(self.root, f"{i:02x}") for i in range(256)))
             except OSError as exc:  # a full disk: the writes that need them are dropped (and counted) later
                 log.warning("local_disk %s: cannot make its shard folders (%s)", self.root, exc.strerror or exc)
-        self._scan()
-        with self._lock:
-            shrunk = self._evict_until(0)
+        self._index.scan()
+        with self._index.lock:
+            shrunk = self._index.evict_until(0)
         if shrunk:
             log.info("local_disk %s: evicted %d records to fit size_gb=%s", self.root, len(shrunk), config.size_gb)
 
@@ -159,33 +151,33 @@ class LocalDiskAdapter(L2Adapter):
             except OSError:
                 out.append(False)
                 continue
-            with self._lock:
-                self._adopt(name, size)
+            with self._index.lock:
+                self._index.adopt(name, size)
             out.append(True)
         return out
 
     def indexed(self, names: Sequence[str]) -> list[bool]:
-        with self._lock:
+        with self._index.lock:
             return [name in self._index for name in names]
 
     def delete(self, names: Sequence[str]) -> int:
         paths = [(self._path(name), name) for name in names]
         count = 0
-        with self._lock:  # under the lock so a concurrent put of the same name is not unlinked
+        with self._index.lock:  # under the lock so a concurrent put of the same name is not unlinked
             for path, name in paths:
-                known = self._forget(name)
+                known = self._index.forget(name)
                 count += self._unlink(path) or known
         return count
 
     def list_names(self) -> list[str]:
         """Rescan the directory (adopting files written by other processes) and return every name."""
-        self._scan()
-        with self._lock:
-            return list(self._index)
+        self._index.scan()
+        with self._index.lock:
+            return self._index.names()
 
     def usage(self) -> Usage:
-        with self._lock:
-            return Usage(self._used_bytes, len(self._index), self.capacity_bytes)
+        with self._index.lock:
+            return Usage(self._index.used_bytes, len(self._index), self.capacity_bytes)
 
     def health(self) -> tuple[bool, str]:
         if not os.path.isdir(self.root):
@@ -209,140 +201,40 @@ class LocalDiskAdapter(L2Adapter):
             on_disk = None
         except OSError as exc:
             return self._item_error("stat", path, exc, False)
-        with self._lock:
+        with self._index.lock:
             if on_disk is not None:
-                self._adopt(name, on_disk)
-                self._index.move_to_end(name)
+                self._index.adopt(name, on_disk)
+                self._index.touch(name)
                 return True
-            self._forget(name)  # deleted by hand since it was indexed
-            fits, evicted = self._reserve(size)
+            self._index.forget(name)  # deleted by hand since it was indexed
+            fits, evicted = self._index.reserve(size)
         self._evicted(evicted)
         if not fits:
             return False
         try:
-            self._write_file(path, name, views, size)
+            self._files.write(path, name, views, size)
         except OSError as exc:
-            with self._lock:
-                self._reserved_bytes -= size
+            with self._index.lock:
+                self._index.release(size)
             return self._item_error("write", path, exc, None if exc.errno in _FULL_ERRNOS else False)
-        with self._lock:
-            self._reserved_bytes -= size
-            self._forget(name)  # a concurrent writer of the same name may have landed first
-            self._index[name] = size
-            self._used_bytes += size
+        with self._index.lock:
+            self._index.written(name, size)
         return True
-
-    def _write_file(self, path: str, name: str, views: list[memoryview], size: int) -> None:
-        directory = os.path.dirname(path)
-        self._make_shard_dirs(directory)
-        tmp = os.path.join(directory, f".{name}.{self._host}.{os.getpid()}.{next(self._seq)}.tmp")
-        try:
-            self._with_direct_fallback(lambda: self._write_direct(tmp, views, size),
-                                       lambda: self._write_buffered(tmp, views))
-            os.replace(tmp, path)
-        except BaseException:
-            fileio.remove(tmp)
-            raise
-        if self._fsync:
-            fileio.fsync_dir(directory)
-
-    def _write_buffered(self, tmp: str, views: list[memoryview]) -> None:
-        # O_TRUNC, not O_EXCL: a refused O_DIRECT attempt may have created this (unique) temp name
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, fileio.FILE_MODE)
-        try:
-            fileio.write_all(fd, views)
-            if self._fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _write_direct(self, tmp: str, views: list[memoryview], size: int) -> None:
-        aligned = fileio.round_up(size)
-        buf = self._aligned_buffer(aligned)
-        offset = 0
-        for v in views:  # O_DIRECT cannot take the caller's unaligned buffers: one copy
-            buf[offset:offset + v.nbytes] = v
-            offset += v.nbytes
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fileio.O_DIRECT, fileio.FILE_MODE)
-        try:
-            if aligned:
-                fileio.write_all(fd, [buf[:aligned]])
-            if aligned != size:
-                os.ftruncate(fd, size)  # drop the alignment padding
-            if self._fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _aligned_buffer(self, nbytes: int) -> memoryview:
-        if nbytes > _MAX_CACHED_BUFFER_BYTES:
-            return fileio.aligned(nbytes)
-        cached = getattr(self._local, "buf", None)
-        if cached is None or cached.nbytes < nbytes:
-            cached = self._local.buf = fileio.aligned(max(nbytes, fileio.ALIGN))
-        return cached
-
-    def _make_shard_dirs(self, *directories: str) -> None:
-        # mkdir level by level (never makedirs): a vanished root must fail, not be silently recreated
-        synced = set()
-        for directory in directories:
-            current = self.root
-            for part in os.path.relpath(directory, self.root).split(os.sep) if directory != self.root else ():
-                parent, current = current, os.path.join(current, part)
-                try:
-                    os.mkdir(current, fileio.DIR_MODE)
-                except FileExistsError:
-                    continue
-                synced.add(parent)
-        for parent in sorted(synced, key=len, reverse=True) if self._fsync else ():
-            fileio.fsync_dir(parent)
 
     # ---- get ------------------------------------------------------------------------------------
     def _get_one(self, path: str, name: str) -> Buffer | None:
         try:
-            buf = self._with_direct_fallback(lambda: fileio.read_direct(path), lambda: fileio.read_buffered(path))
+            buf = self._files.read(path)
         except FileNotFoundError:
-            with self._lock:
-                self._forget(name)
+            with self._index.lock:
+                self._index.forget(name)
             return None
         except OSError as exc:
             return self._item_error("read", path, exc, None)
-        with self._lock:
-            self._adopt(name, memoryview(buf).nbytes)
-            self._index.move_to_end(name)
+        with self._index.lock:
+            self._index.adopt(name, memoryview(buf).nbytes)
+            self._index.touch(name)
         return buf
-
-    # ---- index (call with self._lock held) ---------------------------------------------------------
-    def _adopt(self, name: str, size: int) -> None:
-        if name not in self._index:
-            self._index[name] = size
-            self._used_bytes += size
-
-    def _forget(self, name: str) -> bool:
-        size = self._index.pop(name, None)
-        if size is None:
-            return False
-        self._used_bytes -= size
-        return True
-
-    def _reserve(self, size: int) -> tuple[bool, list[str]]:
-        if self.capacity_bytes is not None and size > self.capacity_bytes:
-            return False, []
-        evicted = self._evict_until(size)
-        if self.capacity_bytes is not None and self._used_bytes + self._reserved_bytes + size > self.capacity_bytes:
-            return False, evicted  # the rest is taken by writes in flight
-        self._reserved_bytes += size
-        return True, evicted
-
-    def _evict_until(self, size: int) -> list[str]:
-        evicted = []
-        cap = self.capacity_bytes
-        while cap is not None and self._index and self._used_bytes + self._reserved_bytes + size > cap:
-            name, nbytes = self._index.popitem(last=False)
-            self._used_bytes -= nbytes
-            self._unlink(self._path(name))
-            evicted.append(name)
-        return evicted
 
     def _unlink(self, path: str) -> bool:
         try:
@@ -353,67 +245,14 @@ class LocalDiskAdapter(L2Adapter):
         except OSError as exc:
             return self._item_error("delete", path, exc, False)
 
-    # ---- startup and rescan -----------------------------------------------------------------------
-    def _scan(self) -> None:
-        found: dict[str, tuple[int, float]] = {}
-        misplaced = 0
-        now = time.time()
-        for directory, depth, entry in self._walk(self.root, 0):
-            fname = entry.name
-            if _NAME_RE.fullmatch(fname):
-                if depth == self._depth and directory == os.path.dirname(self._path(fname)):
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    self._private(entry.path, st.st_mode, fileio.FILE_MODE)
-                    found[fname] = (st.st_size, st.st_mtime)
-                else:
-                    misplaced += 1
-            elif (m := _TEMP_RE.fullmatch(fname)) and self._is_stale_temp(m, entry, now):
-                fileio.remove(entry.path)
-        if misplaced:
-            log.warning("local_disk %s: ignoring %d records stored under another shard_depth than %d; "
-                        "move or delete them", self.root, misplaced, self._depth)
-        with self._lock:
-            for name in [n for n in self._index if n not in found]:
-                self._forget(name)
-            for name, (size, _) in sorted(found.items(), key=lambda kv: kv[1][1]):  # oldest mtime = LRU
-                if name in self._index and self._index[name] != size:
-                    self._forget(name)
-                self._adopt(name, size)
-
-    def _walk(self, directory: str, depth: int):
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                if depth < 4 and _SHARD_RE.fullmatch(entry.name):
-                    self._private(entry.path, entry.stat(follow_symlinks=False).st_mode, fileio.DIR_MODE)
-                    yield from self._walk(entry.path, depth + 1)
-            elif entry.is_file(follow_symlinks=False):
-                yield directory, depth, entry
-
-    def _is_stale_temp(self, m: re.Match, entry: os.DirEntry, now: float) -> bool:
-        try:
-            age = now - entry.stat(follow_symlinks=False).st_mtime
-        except FileNotFoundError:
-            return False
-        if age > _STALE_TEMP_SECONDS:
-            return True
-        return m.group(2) == self._host and not pid_alive(int(m.group(3)))
-
     # ---- helpers ------------------------------------------------------------------------------------
     def _path(self, name: str) -> str:
-        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-            raise InputError(f"L2 name {name!r} is not of the form ChunkKey.name() ('<16 hex>-<hex>'); "
-                             "only names from ChunkKey.name() may be stored")
-        digest = name[17:]
-        shards = [digest[2 * i:2 * i + 2] for i in range(self._depth)]
-        return os.path.join(self.root, *shards, name)
+        return self._index.path(name)
+
+    @property
+    def _direct(self) -> bool:
+        """Whether O_DIRECT is in use now (off after the file system refused it)."""
+        return self._files.direct
 
     def _map(self, fn, args: list[tuple]) -> list:
         if self._closed:
@@ -449,30 +288,13 @@ class LocalDiskAdapter(L2Adapter):
             log.warning("local_disk %s: %s is readable by other users (mode %04o) and cannot be changed by this "
                         "user; records hold token ids and KV: chmod it to %04o", self.root, path, mode & 0o777, want)
 
-    def _with_direct_fallback(self, direct, buffered):
-        if self._direct:
-            try:
-                return direct()
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # EINVAL: this file system refuses O_DIRECT
-                    raise
-                self._disable_direct_io(exc)
-        return buffered()
-
-    def _disable_direct_io(self, exc: OSError) -> None:
-        if self._direct:
-            self._direct = False
-            log.warning("local_disk %s: the file system refuses O_DIRECT (%s); using buffered I/O instead",
-                        self.root, exc.strerror or exc)
-
     def _check_writable(self) -> None:
         # also probes O_DIRECT when asked for, so a refusing file system is reported at startup
         probe = os.path.join(self.root, f".probe-{os.getpid()}-{threading.get_ident()}")
         try:
             os.makedirs(self.root, fileio.DIR_MODE, exist_ok=True)
             self._private(self.root, os.stat(self.root).st_mode, fileio.DIR_MODE)
-            self._with_direct_fallback(lambda: self._write_direct(probe, [memoryview(bytes(fileio.ALIGN))], fileio.ALIGN),
-                                       lambda: self._write_buffered(probe, [memoryview(b"kvtier")]))
+            self._files.probe(probe)
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS and os.path.isdir(self.root):  # its records can still be read
                 log.warning("local_disk %s is full (%s): its records are served, new ones are dropped until space "

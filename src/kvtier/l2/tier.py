@@ -13,62 +13,33 @@ hung adapter cannot stall the request thread. ``read`` (promotion) does real I/O
 Threads: the writer (``kvtier-l2-writer``), the prober and, with a record key, two signers; all daemons, so a
 hung adapter never keeps the process alive. ``clear_async`` runs in the writer, after the writes queued before
 it; while one is pending, lookups answer 0 (nothing about to be deleted is announced as a hit).
+
+This module holds the read side (lookups, verified reads, promotion), removal and status; the write path (the
+queue, the writer and encoder threads, encoding and byte accounting) is ``l2.writer.L2Writer``, which the tier
+composes. The tier takes no lock of its own: the queue's lock is the writer's, the index's is ``L2Index``'s, and
+``_refusal_logged`` is a one-way flag (at worst a racing read logs the warning twice).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-
-import xxhash
 
 from kvtier.codecs.policy import CodecPolicy
 from kvtier.errors import ConfigError, KVTierError, CorruptRecordError, ForeignRecordError, RecordAuthError, UnknownCodecError
 from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
 from kvtier.l2.index import L2Index
-from kvtier.layout import KVLayout
+from kvtier.l2.writer import ClearJob, L2Writer, WriteItem  # WriteItem: callers import it from here (cache.cache)
 from kvtier.metrics import Metrics
-from kvtier.record import RecordKeys, decode_header, decode_payload, decode_record, encode_record, record_size
+from kvtier.record import RecordKeys, decode_payload, decode_record
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class WriteItem:
-    """One chunk to write: its key, layout, token ids and payload (a view pinned in L1 until written)."""
-
-    key: ChunkKey
-    layout: KVLayout
-    token_ids: list[int]
-    payload: memoryview
-    checksum: int | None = None  # xxh3-64 of the payload when it was committed; None: take it when writing
-
-
 class _LossyRefused(KVTierError):
     """A record in a lossy codec its model may not be served from (``lossy_codecs_allowed``)."""
-
-
-@dataclass(slots=True)
-class _Clear:
-    """A clear queued behind the writes before it (``clear_async``); ``deleted`` is filled by the writer."""
-
-    done: threading.Event
-    deleted: int = 0
-
-
-@dataclass(slots=True)
-class _WriteBatch:
-    tokens: object  # the prompt's token ids (numpy int64), for events
-    items: list[WriteItem]
-    release: Callable[[ChunkKey], None]
-    event_refs: list | None  # the items' ChunkRefs (kvtier.cache.ChunkRef), for events
-    lost: Callable[[int], None] | None = None  # told how many items were not written
 
 
 class L2Tier:
@@ -98,7 +69,6 @@ class L2Tier:
                                             labels=[a.label for a in self.adapters])
         self.metrics = metrics
         self.events = events
-        self.queue_chunks = queue_chunks
         self.promote_to_faster = promote_to_faster
         self.record_key = record_key
         self.record_auth = record_auth
@@ -108,23 +78,27 @@ class L2Tier:
             except ImportError:
                 raise ConfigError("l2_record_auth 'blake3' needs the blake3 package (pip install blake3); "
                                   "or set l2_record_auth: hmac-sha256") from None
-        self._hasher: ThreadPoolExecutor | None = None
-        self._bytes: dict[tuple[str, str], list[int]] = {}  # (adapter, codec) -> [encoded, raw] bytes written
         self._refusal_logged = False  # one warning for records kept but not servable; the metrics count them all
-        self.on_changed: Callable[[ChunkKey], None] | None = None  # a chunk's bytes changed after commit
-        self._queue: deque[_WriteBatch | _Clear] = deque()
-        self._clearing = 0  # clears queued or running: lookups answer 0 meanwhile
         self.index = L2Index(self.adapters, metrics, self._per_name)
         self.index_lookups = index_lookups
-        self._pending = 0  # chunks queued or being written
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread: threading.Thread | None = None
         for adapter in self.adapters:
             adapter.on_evict = lambda names, a=adapter: self._on_adapter_evict(a, names)
-        if self.adapters:
-            self._thread = threading.Thread(target=self._writer, name="kvtier-l2-writer", daemon=True)
-            self._thread.start()
+        self._writes = L2Writer(self.adapters, self.codecs, metrics, events, self.index, queue_chunks, record_key,
+                                record_auth, call=self._call, clear=self._run_clear)
+
+    @property
+    def queue_chunks(self) -> int:
+        """Most chunks waiting to be written; more are dropped and counted."""
+        return self._writes.queue_chunks
+
+    @property
+    def on_changed(self) -> Callable[[ChunkKey], None] | None:
+        """Told the key of a chunk whose bytes changed after commit (not written to L2)."""
+        return self._writes.on_changed
+
+    @on_changed.setter
+    def on_changed(self, callback: Callable[[ChunkKey], None] | None) -> None:
+        self._writes.on_changed = callback
 
     # ---- reads -------------------------------------------------------------------------
     def _call(self, adapter: L2Adapter, op: str, fn, *args, default=None):
@@ -152,7 +126,7 @@ class L2Tier:
         (no I/O, never blocks on an adapter); with ``probe``, names past the indexed prefix are probed in the
         background (``contains``), so a record another writer stored is counted by a later lookup. Otherwise:
         asking the adapters. 0 while a ``clear_async`` is pending."""
-        if not keys or not self.adapters or self._clearing:
+        if not keys or not self.adapters or self._writes.clearing:
             return 0
         names = [k.name() for k in keys]
         return self.index.held(names, probe) if self.index_lookups else self.index.probe_now(names)
@@ -166,7 +140,7 @@ class L2Tier:
         """How many leading ``keys`` some adapter holds, asking the adapters (``contains``: I/O, may block as
         long as an adapter does; never on a request thread). What they find joins their indexes, so a
         following ``lookup`` counts it. Errors are misses plus ``kvtier_l2_errors_total``."""
-        if not keys or not self.adapters or self._clearing:
+        if not keys or not self.adapters or self._writes.clearing:
             return 0
         return self.index.probe_now([k.name() for k in keys])
 
@@ -177,7 +151,7 @@ class L2Tier:
         chunks some adapter says it holds. A record failing verification is deleted from that adapter,
         counted in ``kvtier_corrupt_records_total`` and treated as a miss there (a later adapter may hit).
         """
-        if self._clearing:
+        if self._writes.clearing:
             return []
         names = [k.name() for k in keys]
         count = self.index.probe_now(names)
@@ -252,168 +226,16 @@ class L2Tier:
         released at once. ``lost``: called with how many items will not be in L2 (dropped here, or not written
         by any adapter), so a ``Flush`` can say so. Returns how many were queued. Never blocks.
         """
-        if not self.adapters or not items:
-            for item in items:
-                release(item.key)
-            return 0
-        with self._cond:
-            room = 0 if self._closed else max(0, self.queue_chunks - self._pending)
-            queued, dropped = items[:room], items[room:]
-            if queued:
-                self._queue.append(_WriteBatch(tokens, queued, release, event_refs, lost))
-                self._pending += len(queued)
-                self._cond.notify_all()
-        if dropped:
-            self.metrics.inc("kvtier_l2_write_dropped_total", len(dropped))
-            for item in dropped:
-                release(item.key)
-            if lost is not None:
-                lost(len(dropped))
-        return len(queued)
-
-    def _writer(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                batch = self._queue.popleft()
-            if isinstance(batch, _Clear):
-                self._run_clear(batch)
-                continue
-            try:
-                self._write_batch(batch)
-            finally:
-                for item in batch.items:
-                    batch.release(item.key)
-                with self._cond:
-                    self._pending -= len(batch.items)
-                    self._cond.notify_all()
-
-    def _encoded(self, items: list[WriteItem]):
-        """Groups of (name, {codec spec: record parts} or None) in item order: each chunk encoded once per distinct
-        codec of the adapters, here on the writer side (never on the engine's store path). With a record key or a
-        codec the work runs on helper threads (MACs and the codecs' compressors release the GIL) and each group
-        is what is ready, so encoding overlaps writing."""
-        codecs = self.codecs.distinct()
-
-        def encode(item: WriteItem):
-            if item.checksum is not None and xxhash.xxh3_64_intdigest(item.payload) != item.checksum:
-                return item.key.name(), None  # changed since it was committed: never written
-            return item.key.name(), {codec.spec: self._record(item, codec) for codec in codecs}
-
-        slow = RecordKeys.of(self.record_key).signing is not None or any(c.name != "none" for c in codecs)
-        if not slow or len(items) < 2:
-            yield [encode(item) for item in items]
-            return
-        if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvtier-l2-encode")
-        futures = [self._hasher.submit(encode, item) for item in items]
-        i = 0
-        while i < len(futures):
-            group = [futures[i].result()]
-            i += 1
-            while i < len(futures) and futures[i].done():
-                group.append(futures[i].result())
-                i += 1
-            yield group
-
-    def _record(self, item: WriteItem, codec) -> list | None:
-        started = time.perf_counter()
-        try:
-            parts = encode_record(item.key, item.layout, item.token_ids, item.payload, self.record_key,
-                                  self.record_auth, checksum=item.checksum, codec=codec)
-        except KVTierError as exc:  # a lossy codec refusing this KV (NaN, a dtype it cannot take): not written
-            log.warning("L2: chunk %s cannot be encoded with %s: %s", item.key.name(), codec.spec, exc)
-            self.metrics.inc("kvtier_codec_errors_total", codec=codec.name)
-            return None
-        if codec.name != "none":
-            self.metrics.inc("kvtier_codec_seconds_total", time.perf_counter() - started, codec=codec.name, op="encode")
-        return parts
-
-    def _write_batch(self, batch: _WriteBatch) -> None:
-        stored: list[bool] = []
-        for group in self._encoded(batch.items):
-            records = [rec for rec in group if rec[1] is not None]
-            done = [False] * len(records)
-            for adapter, codec in zip(self.adapters, self.codecs.codecs) if records else ():
-                mine = [(i, name, by_codec[codec.spec]) for i, (name, by_codec) in enumerate(records)
-                        if by_codec[codec.spec] is not None]
-                flags = self._call(adapter, "put", adapter.put, [(n, p) for _, n, p in mine], default=None)
-                if flags is None:
-                    continue
-                self.index.note(adapter, [mine[j][1] for j, ok in enumerate(flags) if ok], True, written=True)
-                written = [(i, parts) for (i, _, parts), ok in zip(mine, flags) if ok]
-                for i, _ in written:
-                    done[i] = True
-                self.metrics.inc("kvtier_l2_writes_total", len(written), adapter=adapter.label)
-                self._count_bytes(adapter, codec, [parts for _, parts in written])
-            flags_in_order = iter(done)
-            for name, parts in group:
-                if parts is None:
-                    self._changed(batch, name)
-                stored.append(False if parts is None else next(flags_in_order))
-        failed = stored.count(False)
-        if failed:
-            self.metrics.inc("kvtier_l2_write_dropped_total", failed)
-            if batch.lost is not None:
-                batch.lost(failed)
-        # a clear queued behind this batch deletes what it wrote: not announced (it would stay in routers' views)
-        if self.events is not None and batch.event_refs and not self._clearing:
-            run = 0  # announce the leading run of written chunks; a gap breaks the prefix chain
-            while run < len(stored) and stored[run]:
-                run += 1
-            if run:
-                self.events.stored(batch.tokens, batch.event_refs[:run], "STORAGE")
-
-    def _count_bytes(self, adapter: L2Adapter, codec, records: list[list]) -> None:
-        """Encoded and raw bytes written, per adapter and codec, and their ratio over the process lifetime."""
-        if not records:
-            return
-        encoded = sum(record_size(parts) for parts in records)
-        raw = sum(decode_header(parts[0])[0].raw_bytes for parts in records)
-        labels = {"adapter": adapter.label, "codec": codec.name}
-        self.metrics.inc("kvtier_l2_bytes_written_total", encoded, **labels)
-        self.metrics.inc("kvtier_l2_raw_bytes_written_total", raw, **labels)
-        with self._cond:
-            totals = self._bytes.setdefault((adapter.label, codec.name), [0, 0])
-            totals[0] += encoded
-            totals[1] += raw
-            self.metrics.set("kvtier_l2_compression_ratio", totals[1] / max(totals[0], 1), **labels)
+        return self._writes.write_async(tokens, items, release, event_refs, lost)
 
     def written_bytes(self) -> list[dict]:
         """Per adapter: ``codec``, ``raw_bytes_written``, ``bytes_written`` (records, headers included) and their
         ``ratio``, since start (``/status``)."""
-        with self._cond:
-            totals = dict(self._bytes)
-        out = []
-        for adapter, codec in zip(self.adapters, self.codecs.codecs):
-            encoded, raw = totals.get((adapter.label, codec.name), (0, 0))
-            out.append({"adapter": adapter.label, "codec": codec.spec, "raw_bytes_written": raw,
-                        "bytes_written": encoded, "ratio": round(raw / encoded, 3) if encoded else None})
-        return out
+        return self._writes.written_bytes()
 
     def flush(self, timeout_seconds: float = 30.0) -> bool:
         """Wait at most ``timeout_seconds`` until every queued write is done. Returns False on timeout."""
-        deadline = time.monotonic() + timeout_seconds
-        with self._cond:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def _changed(self, batch: _WriteBatch, name: str) -> None:
-        self.metrics.inc("kvtier_changed_after_commit_total")
-        log.error("chunk %s changed after it was committed (a client wrote into its slot late): not written "
-                  "to L2 and dropped from L1", name)
-        callback = self.on_changed
-        if callback is not None:
-            for item in batch.items:
-                if item.key.name() == name:
-                    callback(item.key)
+        return self._writes.flush(timeout_seconds)
 
     # ---- removal and status ------------------------------------------------------------
     def _on_adapter_evict(self, adapter: L2Adapter, names: list[str]) -> None:
@@ -441,33 +263,21 @@ class L2Tier:
             return 0
         return job.deleted
 
-    def clear_async(self) -> _Clear | None:
+    def clear_async(self) -> ClearJob | None:
         """Queue a clear of every adapter behind the writes already queued and return at once (None without
         adapters). Until it has run, ``lookup`` answers 0 and ``read`` nothing; ``flush`` waits for it too.
         Writes queued after it are kept."""
         if not self.adapters:
             return None
-        job = _Clear(threading.Event())
-        with self._cond:
-            self._queue.append(job)
-            self._clearing += 1
-            self._pending += 1  # flush waits for the clear like for a write
-            self._cond.notify_all()
-        return job
+        return self._writes.clear_async()
 
-    def _run_clear(self, job: _Clear) -> None:
-        try:
-            for i, adapter in enumerate(self.adapters):
-                job.deleted += len(self._call(adapter, "clear", adapter.clear, default=[]) or [])
-                self.index.forget(adapter)
-            if self.events is not None:  # what was announced since the clear was asked for (a race) goes now
-                self.events.cleared("STORAGE")
-        finally:
-            with self._cond:
-                self._clearing -= 1
-                self._pending -= 1
-                self._cond.notify_all()
-            job.done.set()
+    def _run_clear(self, job: ClearJob) -> None:
+        """Run by the writer thread, in queue order (``L2Writer`` does the bookkeeping)."""
+        for i, adapter in enumerate(self.adapters):
+            job.deleted += len(self._call(adapter, "clear", adapter.clear, default=[]) or [])
+            self.index.forget(adapter)
+        if self.events is not None:  # what was announced since the clear was asked for (a race) goes now
+            self.events.cleared("STORAGE")
 
     def status(self) -> list[dict]:
         """Per adapter: label, type, health, reason, usage (no secrets), and its codec with the bytes written
@@ -487,14 +297,8 @@ class L2Tier:
         """Finish queued writes (at most ``timeout_seconds``), stop the writer, close adapters. Returns False if
         writes were cut off."""
         done = self.flush(timeout_seconds)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
         self.index.close()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=False)
+        self._writes.close()
         for adapter in self.adapters:
             self._call(adapter, "close", adapter.close)
         return done
