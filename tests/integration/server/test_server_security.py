@@ -54,7 +54,10 @@ class Attack:
         if creds is not None:
             apply_client(sock, creds)
         sock.connect(url)
-        sock.send(b"")  # an empty frame: a malformed request / replay request, answered or ignored
+        try:  # an empty frame: a malformed request / replay request, answered or ignored
+            sock.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # the connection was already refused at its greeting: nothing left to send on
+            pass
         self.socks.append(sock)
 
     def run(self, url: str, creds=None) -> None:
