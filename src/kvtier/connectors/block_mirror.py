@@ -9,17 +9,8 @@ Rules (why):
   store of a held block is skipped and a removal forgets the block.
 - Blocks whose ``block_size`` is not the engine's (a partial last block) are dropped: the router drops
   them too and would then see a broken parent chain.
-- The engine's ``AllBlocksCleared`` (``reset_prefix_cache``) wipes *every* tier of the worker in the router,
-  but kvtier keeps its data: ``reannounce()`` queues a ``BlockStored`` for every mirrored block. The
-  connector calls it from ``reset_cache()`` (the events then leave in the same batch, after the clear);
-  without a connector reset, a watcher on the engine's own stream sees the clear and re-announces.
 - The server's own ``AllBlocksCleared`` and a server restart become ``BlockRemoved`` for the mirrored
   blocks of that server, never ``AllBlocksCleared`` (which would also wipe the engine's GPU tier).
-- A server restart is recognised when its sequence numbers start again below the last one seen (the
-  subscriber's rule); the old server's blocks are then removed.
-- A feed started after the server replays the server's buffer from seq 0 (``kv_events.buffer_steps``
-  batches), so a new worker announces what the server already holds; a server that is down at start is
-  caught up from seq 0 when it answers.
 """
 
 from __future__ import annotations

@@ -9,7 +9,19 @@ restart detection) and keeps a mirror of the blocks the server holds per medium 
 the events leave in the engine's own batches with the engine's block size and integer hashes; the server
 hashes with the engine's settings (the connector's handshake checks that), so the hashes need no change.
 
-The mirror and its forwarding rules: ``kvtier.connectors.block_mirror``; publishing through the engine's own
+Rules of the feed (why; the mirror's own forwarding rules are in ``kvtier.connectors.block_mirror``):
+
+- The engine's ``AllBlocksCleared`` (``reset_prefix_cache``) wipes *every* tier of the worker in the router,
+  but kvtier keeps its data: ``reannounce()`` queues a ``BlockStored`` for every mirrored block. The
+  connector calls it from ``reset_cache()`` (the events then leave in the same batch, after the clear);
+  without a connector reset, a watcher on the engine's own stream sees the clear and re-announces.
+- A server restart is recognised when its sequence numbers start again below the last one seen (the
+  subscriber's rule); the old server's blocks are then removed.
+- A feed started after the server replays the server's buffer from seq 0 (``kv_events.buffer_steps``
+  batches), so a new worker announces what the server already holds; a server that is down at start is
+  caught up from seq 0 when it answers.
+
+The mirror: ``kvtier.connectors.block_mirror``; publishing through the engine's own
 publisher: ``kvtier.connectors.engine_flush``.
 
 Timing: vLLM publishes connector events only when a step produces output (``Scheduler.update_from_output``),

@@ -142,7 +142,7 @@ class DataOps:
                 self.quarantine.release_ticket(identity, msg.ticket)
             if msg.ticket in self._expired:
                 return None, error_reply(msg, "lease_expired", f"ticket {msg.ticket} expired after "
-                                       f"{self.config.server.lease_seconds} s; its slots were released")
+                                         f"{self.config.server.lease_seconds} s; its slots were released")
             return None, error_reply(msg, "unknown_ticket", f"no {kind} ticket {msg.ticket} for this client")
         return self._pop_lease(msg.ticket), None
 
