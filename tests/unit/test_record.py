@@ -157,7 +157,7 @@ def test_format_version_1_records_are_still_read():
         decode_record(v1, key, auth_key=b"k" * 32)
 
 
-@pytest.mark.parametrize("spec", ["zstd", "lz4", "fp8_e4m3+zstd", "int8"])
+@pytest.mark.parametrize("spec", ["zstd", "lz4", "fp8_e4m3+zstd", "int8:group=0,sink=0"])  # one byte an element
 def test_encoded_records_name_their_codec_and_decode_back_to_the_layout(spec):
     from kvtier.codecs import get_codec
     from kvtier.record import decode_payload

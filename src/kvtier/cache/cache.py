@@ -304,11 +304,12 @@ class KVCache:
             if view is None:
                 if not self.l1.contains(ref.key):  # no room (everything pinned): stop the prefix here
                     break
-            else:
-                # numpy copies without the GIL: a server's request thread keeps running during a promotion
-                np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(payload, np.uint8))
+            elif payload.copy_into(view):
                 self.l1.commit(ref.key)
                 promoted += 1
+            else:  # the record did not decode (dropped and counted by the tier): the prefix stops here
+                self.l1.abort(ref.key)
+                break
             count += 1
         if promoted:
             self.metrics.inc("kvtier_l2_promoted_chunks_total", promoted)

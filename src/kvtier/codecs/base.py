@@ -67,8 +67,10 @@ class Transform:
         """Bytes ``encode`` produced for a chunk of ``num_tokens`` with ``params``."""
         raise NotImplementedError
 
-    def decode(self, data: np.ndarray, params: dict, layout: KVLayout, num_tokens: int):
-        """``data``: exactly ``encoded_size`` bytes. Returns a torch tensor ``chunk_shape`` in ``layout.dtype``."""
+    def decode(self, data: np.ndarray, params: dict, layout: KVLayout, num_tokens: int, out=None):
+        """``data``: exactly ``encoded_size`` bytes. Returns a torch tensor ``chunk_shape`` in ``layout.dtype``:
+        ``out`` (a writable torch tensor of that shape and dtype, e.g. over an L1 slot) when given, filled in place,
+        else a new tensor."""
         raise NotImplementedError
 
 
@@ -85,9 +87,20 @@ class Compressor:
         """``data``: 1-D uint8 array of elements ``itemsize`` bytes wide. Returns (buffer, params)."""
         raise NotImplementedError
 
-    def decompress(self, data, params: dict, size: int) -> np.ndarray:
-        """The ``size`` original bytes as a 1-D uint8 array. Raises CodecError when ``data`` does not hold them."""
+    def decompress(self, data, params: dict, size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The ``size`` original bytes as a 1-D uint8 array: ``out`` (writable, ``size`` bytes), filled in place,
+        when given. Raises CodecError when ``data`` does not hold them."""
         raise NotImplementedError
+
+
+def _tensor_over(out: np.ndarray | None, layout: KVLayout, num_tokens: int):
+    """A torch tensor ``layout.chunk_shape(num_tokens)`` sharing ``out``'s bytes; None without ``out`` or bytes."""
+    if out is None or not out.nbytes:
+        return None
+    from kvtier.tensors import require_torch
+
+    torch = require_torch()
+    return torch.frombuffer(out, dtype=getattr(torch, layout.dtype)).view(layout.chunk_shape(num_tokens))
 
 
 def _bytes_of(payload) -> np.ndarray:
@@ -184,19 +197,24 @@ class Codec:
             raise CodecError(f"{self.name}: encoded chunk checksum mismatch (corrupted or truncated bytes)")
         expected = layout.chunk_bytes(num_tokens)
         size = self.transform.encoded_size(params[self.transform.name], layout, num_tokens) if self.transform else expected
+        # the last stage writes into ``out`` itself: a decoded chunk lands in its L1 slot without another copy
         if self.compressor is not None:
-            data = self.compressor.decompress(data, params[self.compressor.name], size)
+            last = self.transform is None
+            data = self.compressor.decompress(data, params[self.compressor.name], size, out if last else None)
         if data.nbytes != size:
             raise CodecError(f"{self.name}: decoded {data.nbytes} bytes, but {layout.dtype} x "
                              f"{layout.chunk_shape(num_tokens)} needs {size}")
         if self.transform is not None:
-            kv = self.transform.decode(data, params[self.transform.name], layout, num_tokens)
             from kvtier.tensors import as_numpy
 
+            into = _tensor_over(out, layout, num_tokens)
+            kv = self.transform.decode(data, params[self.transform.name], layout, num_tokens, into)
+            if into is not None and kv is into:
+                return out
             data = as_numpy(kv).reshape(-1).view(np.uint8)
         if data.nbytes != expected:  # a transform bug, never silently passed on
             raise CodecError(f"{self.name}: decoded {data.nbytes} bytes; the layout needs {expected}")
-        if out is None:
+        if out is None or data is out:
             return data
         out[...] = data
         return out

@@ -39,14 +39,14 @@ class _Blosc(Compressor):
         return blosc2.compress2(data, codec=getattr(blosc2.Codec, self.codec_name), clevel=self.options["level"],
                                 filters=[blosc2.Filter.SHUFFLE], typesize=max(int(itemsize), 1), nthreads=1), params
 
-    def decompress(self, data, params, size):
+    def decompress(self, data, params, size, out=None):
         import blosc2
 
         encoded = memoryview(data).nbytes
         if size == 0 or encoded == 0:
             if size or encoded:
                 raise CodecError(f"{self.name}: {encoded} encoded bytes for a chunk of {size} bytes")
-            return np.empty(0, dtype=np.uint8)
+            return np.empty(0, dtype=np.uint8) if out is None else out
         try:
             declared, compressed, _ = blosc2.get_cbuffer_sizes(data)
         except Exception as exc:  # noqa: BLE001 -- any failure to read the frame header is a corrupt record
@@ -54,7 +54,8 @@ class _Blosc(Compressor):
         if declared != size or compressed != encoded:  # before the decoder allocates what a header claims
             raise CodecError(f"{self.name}: the frame holds {declared} bytes in {compressed}; the layout needs "
                              f"{size} in {encoded}")
-        out = np.empty(size, dtype=np.uint8)
+        if out is None:
+            out = np.empty(size, dtype=np.uint8)
         try:
             blosc2.decompress2(data, dst=out, nthreads=1)
         except Exception as exc:  # noqa: BLE001

@@ -35,20 +35,23 @@ class _Shuffled(Compressor):
         params.update(self._params())
         return (self._deflate(planes) if planes.size else b""), params
 
-    def decompress(self, data, params, size):
+    def decompress(self, data, params, size, out=None):
         encoded = memoryview(data).nbytes
         if size == 0 or encoded == 0:
             if size or encoded:
                 raise CodecError(f"{self.name}: {encoded} encoded bytes for a chunk of {size} bytes")
-            return np.empty(0, dtype=np.uint8)
-        out = self._inflate(data, size)
-        if out.size != size:  # lz4 accepts a block that decodes to fewer bytes than the room given
-            raise CodecError(f"{self.name}: decompressed {out.size} bytes; the layout needs {size}")
+            return np.empty(0, dtype=np.uint8) if out is None else out
+        inflated = self._inflate(data, size)
+        if inflated.size != size:  # lz4 accepts a block that decodes to fewer bytes than the room given
+            raise CodecError(f"{self.name}: decompressed {inflated.size} bytes; the layout needs {size}")
         how = params.get("shuffle")
         if how == "byte":
-            return unshuffle(out, int(params["itemsize"]))
+            return unshuffle(inflated, int(params["itemsize"]), out)
         if how != "none":
             raise CodecError(f"unknown shuffle {how!r} in codec params; this kvtier knows {SHUFFLES}")
+        if out is None:
+            return inflated
+        out[...] = inflated  # zstandard and lz4.block only return new buffers
         return out
 
     def _params(self) -> dict:

@@ -23,12 +23,17 @@ def shuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
     return out
 
 
-def unshuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
-    """The inverse of ``shuffle``: 1-D uint8 planes -> 1-D uint8 elements (a new array)."""
+def unshuffle(data: np.ndarray, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The inverse of ``shuffle``: 1-D uint8 planes -> 1-D uint8 elements, written into ``out`` (1-D uint8 of
+    ``data.size`` bytes, not overlapping ``data``) when given, else into a new array; returns that array."""
     n = data.size // itemsize
     if itemsize <= 1 or n == 0:
-        return data
-    out = np.empty(data.size, dtype=np.uint8)
+        if out is None:
+            return data
+        out[...] = data
+        return out
+    if out is None:
+        out = np.empty(data.size, dtype=np.uint8)
     np.stack([data[i * n:(i + 1) * n] for i in range(itemsize)], axis=-1, out=out[:n * itemsize].reshape(n, itemsize))
     out[n * itemsize:] = data[n * itemsize:]
     return out

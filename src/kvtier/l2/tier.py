@@ -26,6 +26,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
+from kvtier.codecs import get_codec
 from kvtier.codecs.policy import CodecPolicy
 from kvtier.errors import ConfigError, KVTierError, CorruptRecordError, ForeignRecordError, RecordAuthError, UnknownCodecError
 from kvtier.keys import ChunkKey
@@ -40,6 +43,40 @@ log = logging.getLogger(__name__)
 
 class _LossyRefused(KVTierError):
     """A record in a lossy codec its model may not be served from (``lossy_codecs_allowed``)."""
+
+
+class L2Payload:
+    """One verified chunk ``read`` found: raw KV bytes, or a record's encoded bytes that are decoded only when the
+    caller has room for them, straight into that room (an L1 slot), so a decoded chunk is never copied again.
+
+    Attributes:
+        nbytes: the chunk's bytes once decoded (``layout.chunk_bytes(num_tokens)``).
+    """
+
+    __slots__ = ("_tier", "_adapter", "_name", "_header", "_payload", "nbytes")
+
+    def __init__(self, tier: L2Tier, adapter: L2Adapter, name: str, header, payload) -> None:
+        self._tier, self._adapter, self._name, self._header, self._payload = tier, adapter, name, header, payload
+        self.nbytes = header.raw_bytes
+
+    def copy_into(self, view) -> bool:
+        """Write the chunk into ``view`` (a writable buffer of ``nbytes``), decoding it there when encoded (on the
+        caller's thread: the promotion pool's). False when the record does not decode: then it is deleted from
+        its adapter and counted (``kvtier_corrupt_records_total``), and ``view`` holds no chunk."""
+        target = np.frombuffer(view, np.uint8)
+        if not self._header.encoded:
+            # numpy copies without the GIL: a server's request thread keeps running during a promotion
+            np.copyto(target, np.frombuffer(self._payload, np.uint8))
+            return True
+        started = time.perf_counter()
+        try:
+            decode_payload(self._header, self._payload, out=target)
+        except CorruptRecordError as exc:
+            self._tier._drop_corrupt(self._adapter, self._name, exc)
+            return False
+        self._tier.metrics.inc("kvtier_codec_seconds_total", time.perf_counter() - started,
+                               codec=self._header.encoding, op="decode")
+        return True
 
 
 class L2Tier:
@@ -144,8 +181,9 @@ class L2Tier:
             return 0
         return self.index.probe_now([k.name() for k in keys])
 
-    def read(self, keys: Sequence[ChunkKey], token_ids: Sequence[list[int]]) -> list[memoryview]:
-        """Verified payloads of the leading ``keys`` found in any adapter (stops at the first miss).
+    def read(self, keys: Sequence[ChunkKey], token_ids: Sequence[list[int]]) -> list[L2Payload]:
+        """Verified chunks of the leading ``keys`` found in any adapter (stops at the first miss); encoded
+        records are decoded by ``L2Payload.copy_into``.
 
         One batched ``get`` per adapter (adapters fan a batch out in parallel), limited to the leading
         chunks some adapter says it holds. A record failing verification is deleted from that adapter,
@@ -156,7 +194,7 @@ class L2Tier:
         names = [k.name() for k in keys]
         count = self.index.probe_now(names)
         keys, names = list(keys)[:count], names[:count]
-        found: list[memoryview | None] = [None] * len(keys)
+        found: list[L2Payload | None] = [None] * len(keys)
         for index, adapter in enumerate(self.adapters):
             todo = [i for i, payload in enumerate(found) if payload is None]
             if not todo:
@@ -168,14 +206,14 @@ class L2Tier:
             for i, buf in zip(todo, bufs):
                 if buf is not None:
                     found[i] = self._verify(adapter, index, keys[i], token_ids[i], buf)
-        out: list[memoryview] = []
+        out: list[L2Payload] = []
         for payload in found:
             if payload is None:
                 break
             out.append(payload)
         return out
 
-    def _verify(self, adapter: L2Adapter, index: int, key: ChunkKey, tokens: list[int], buf) -> memoryview | None:
+    def _verify(self, adapter: L2Adapter, index: int, key: ChunkKey, tokens: list[int], buf) -> L2Payload | None:
         name = key.name()
         try:
             header, payload = decode_record(buf, key, tokens, self.record_key)
@@ -183,10 +221,7 @@ class L2Tier:
                 raise _LossyRefused(f"record encoded with lossy codec {header.encoding!r}, which "
                                     f"lossy_codecs_allowed does not list for model {header.model!r}")
             if header.encoded:
-                started = time.perf_counter()
-                payload = decode_payload(header, payload)
-                self.metrics.inc("kvtier_codec_seconds_total", time.perf_counter() - started, codec=header.encoding,
-                                 op="decode")
+                get_codec(header.encoding)  # a codec this kvtier lacks: UnknownCodecError here, a kept miss
         except (ForeignRecordError, UnknownCodecError, _LossyRefused) as exc:  # valid elsewhere: kept, a miss here
             metric = {ForeignRecordError: "kvtier_l2_foreign_records_total", UnknownCodecError:
                       "kvtier_l2_unknown_codec_total"}.get(type(exc), "kvtier_l2_lossy_refused_total")
@@ -199,20 +234,24 @@ class L2Tier:
             self._removed_if_gone([name])
             return None
         except CorruptRecordError as exc:
-            log.warning("L2 adapter %s: dropping bad record %s: %s", adapter.label, name, exc)
-            forged = isinstance(exc, RecordAuthError)
-            self.metrics.inc("kvtier_l2_auth_failures_total" if forged else "kvtier_corrupt_records_total",
-                             adapter=adapter.label)
-            self._call(adapter, "delete", adapter.delete, [name])
-            self.index.note(adapter, [name], False)
-            self._removed_if_gone([name])
+            self._drop_corrupt(adapter, name, exc)
             return None
         if self.promote_to_faster and index > 0:
             parts = [memoryview(buf)]
             for faster in self.adapters[:index]:
                 if self._call(faster, "put", faster.put, [(name, parts)], default=[False])[0]:
                     self.index.note(faster, [name], True)
-        return payload
+        return L2Payload(self, adapter, name, header, payload)
+
+    def _drop_corrupt(self, adapter: L2Adapter, name: str, exc: CorruptRecordError) -> None:
+        """A record that fails verification or decoding: deleted from ``adapter``, counted, announced if gone."""
+        log.warning("L2 adapter %s: dropping bad record %s: %s", adapter.label, name, exc)
+        forged = isinstance(exc, RecordAuthError)
+        self.metrics.inc("kvtier_l2_auth_failures_total" if forged else "kvtier_corrupt_records_total",
+                         adapter=adapter.label)
+        self._call(adapter, "delete", adapter.delete, [name])
+        self.index.note(adapter, [name], False)
+        self._removed_if_gone([name])
 
     # ---- writes ------------------------------------------------------------------------
     def write_async(self, tokens, items: list[WriteItem], release: Callable[[ChunkKey], None],

@@ -159,13 +159,19 @@ def test_the_decoder_follows_the_params_not_its_own_options(written, reader):
     assert get_codec(written).name == get_codec(reader).name
 
 
-def test_decode_into_a_buffer():
-    layout, kv, encoded = encode("zstd", "float16", 12)
-    out = bytearray(layout.chunk_bytes(12))
-    result = get_codec("zstd").decode(encoded.data, encoded.params, layout, 12, out=out)
-    assert bytes(out) == raw_bytes(kv).tobytes() and np.shares_memory(result, np.frombuffer(out, np.uint8))
+@pytest.mark.parametrize("spec, dtype", cases())
+@pytest.mark.parametrize("num_tokens", [0, 37])
+def test_decode_into_a_buffer(spec, dtype, num_tokens):
+    """Decoding into a caller's buffer (an L1 slot) gives the bytes a plain decode gives, in that buffer."""
+    layout, _, encoded = encode(spec, dtype, num_tokens, seed=3)
+    codec = get_codec(spec)
+    expected = codec.decode(encoded.data, encoded.params, layout, num_tokens)
+    out = bytearray(b"\xa5" * layout.chunk_bytes(num_tokens))  # not zeros: every byte must be written
+    result = codec.decode(encoded.data, encoded.params, layout, num_tokens, out=out)
+    assert bytes(out) == expected.tobytes()
+    assert not num_tokens or np.shares_memory(result, np.frombuffer(out, np.uint8))
     with pytest.raises(InputError, match="decode target"):
-        get_codec("zstd").decode(encoded.data, encoded.params, layout, 12, out=bytearray(10))
+        codec.decode(encoded.data, encoded.params, layout, num_tokens, out=bytearray(layout.chunk_bytes(num_tokens) + 4))
 
 
 @pytest.mark.parametrize("spec", ALL)
@@ -219,8 +225,29 @@ def test_bad_options_and_orders_are_config_errors(spec, match):
         get_codec(spec)
 
 
+@pytest.mark.parametrize("spec", ["int8", "fp8_e4m3:sink=8", "int8:scale=token,sink=100"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sink_tokens_come_back_exactly(spec, dtype):
+    """The chunk's first ``sink`` tokens (attention sinks) are stored unquantized: bit-identical after decoding,
+    while the rest is quantized; a chunk shorter than ``sink`` is kept whole."""
+    num_tokens = 37
+    layout, kv, encoded = encode(spec, dtype, num_tokens, seed=5)
+    sink = min(get_codec(spec).transform.options["sink"], num_tokens)
+    decoded = as_tensor(get_codec(spec).decode(encoded.data, encoded.params, layout, num_tokens), kv)
+    assert sink > 0 and torch.equal(decoded[:, :, :sink], kv[:, :, :sink])
+    assert torch.equal(decoded, kv) == (sink == num_tokens)
+
+
+def test_records_written_before_sink_tokens_still_decode():
+    """Parameters without ``sink`` (records of an earlier kvtier) mean no sink tokens, not an error."""
+    layout, kv, encoded = encode("int8:sink=0", "float32", 20)
+    params = {**encoded.params, "int8": {k: v for k, v in encoded.params["int8"].items() if k != "sink"}}
+    old = get_codec("int8:sink=0").decode(encoded.data, params, layout, 20)
+    assert np.array_equal(old, get_codec("int8:sink=0").decode(encoded.data, encoded.params, layout, 20))
+
+
 def test_names_and_specs():
     codec = get_codec(" fp8_e4m3:scale=kivi + zstd:level=3 ")
     assert codec.name == "fp8_e4m3+zstd"
-    assert codec.spec == "fp8_e4m3:group=0,scale=kivi+zstd:level=3,shuffle=byte"
+    assert codec.spec == "fp8_e4m3:group=0,scale=kivi,sink=0+zstd:level=3,shuffle=byte"
     assert get_codec("none").name == "none" and get_codec("none").lossless

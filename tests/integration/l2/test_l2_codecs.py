@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 from support.server import CHUNK, LAYOUT
 
 from harness import services
@@ -13,6 +14,8 @@ from harness import services
 from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+from kvtier.record import decode_header, encode_record
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +90,44 @@ def test_a_corrupted_compressed_record_is_a_miss_deleted_and_counted(tmp_path):
         assert reader.retrieve(tokens)[1] == 0
         assert reader.metrics.value("kvtier_corrupt_records_total", adapter="local_disk") == 1
         assert reader.lookup(tokens) == 0  # deleted
+
+
+class _GarbageLz4:
+    """Fault injection around the real lz4 codec: its parameters and checksum, over bytes that are not an lz4
+    block, so the record verifies and only the decoder can tell."""
+
+    name = "lz4"
+
+    def encode(self, payload, layout, num_tokens):
+        from kvtier.codecs import Encoded, get_codec
+
+        real = get_codec("lz4").encode(payload, layout, num_tokens)
+        garbage = bytes(b ^ 0x5A for b in memoryview(real.data).cast("B"))
+        return Encoded(garbage, {**real.params, "xxh3": xxhash.xxh3_64_intdigest(garbage)})
+
+
+def test_a_record_that_verifies_but_does_not_decode_is_a_miss_deleted_and_counted(tmp_path):
+    """Decoding happens in the L1 slot a promotion reserved: a failing decoder leaves no chunk there (the
+    reservation is given back), the record is deleted and counted, and the prefix stops before it."""
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk"), "codec": "lz4"}
+    tokens = list(range(2 * CHUNK))
+    kv = bf16_like(2 * CHUNK, 3)
+    with KVCache(config([disk]), "m", LAYOUT) as writer:
+        assert writer.store(tokens, kv) == 2 and writer.flush(30.0)
+    files = sorted((p for p in (tmp_path / "disk").rglob("*") if p.is_file() and p.stat().st_size > 1000),
+                   key=lambda p: p.stat().st_mtime_ns)
+    assert len(files) == 2
+    for path in files:
+        header, _ = decode_header(path.read_bytes())
+        if header.token_ids == tokens[CHUNK:]:  # the second chunk's record becomes undecodable
+            layout = KVLayout.from_dict(header.layout)
+            parts = encode_record(header.key, layout, header.token_ids, kv[:, :, CHUNK:].contiguous().numpy(),
+                                  codec=_GarbageLz4())
+            path.write_bytes(b"".join(bytes(p) for p in parts))
+    with KVCache(config([disk]), "m", LAYOUT) as reader:
+        found, hits = reader.retrieve(tokens)
+        assert hits == CHUNK and torch.equal(found[:, :, :CHUNK], kv[:, :, :CHUNK])
+        assert reader.metrics.value("kvtier_corrupt_records_total", adapter="local_disk") == 1
+        assert reader.lookup(tokens) == CHUNK  # the second record is gone, the first still served
+        # the slot the failed decode was reserved in is free again: L1 holds the one promoted chunk only
+        assert reader.l1.num_chunks == 1 and reader.l1.used_bytes < 2 * LAYOUT.chunk_bytes(CHUNK)
