@@ -51,7 +51,7 @@ attach = time.perf_counter() - t0
 if mode == "whole":
     from kvtier.client.dataplane import prefault
     t0 = time.perf_counter()
-    prefault(client._arena)
+    prefault(client.transport.arena)
     attach += time.perf_counter() - t0
 assert client.uses_shared_memory
 client.store(tokens, kv)

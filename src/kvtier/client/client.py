@@ -4,7 +4,7 @@ Imports nothing of the server or the storage tiers (L1, L2, events): an engine p
 server loads only the wire protocol, the data plane and pyzmq.
 
 The connection (socket, monitor, handshake, one request with the availability rules) is ``Transport``
-(``client/transport.py``), which ``Client`` extends; its resilience rules hold for every method here. Only caller
+(``client/transport.py``), a part ``Client`` owns; its resilience rules hold for every method here. Only caller
 mistakes raise (InputError: bad tokens, KV of the wrong shape or dtype), as in KVCache (``extra_keys`` are checked
 by the server: bad ones are answered ``bad_request``, logged, and a miss); a handshake refusal (version, layout or
 config mismatch) raises ProtocolError from the constructor, and so does ``clear`` without the admin token.
@@ -13,27 +13,23 @@ config mismatch) raises ProtocolError from the constructor, and so does ``clear`
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import threading
 import time
 
 import numpy as np
 
 from kvtier import protocol as P
-from kvtier.auth.client import ClientAuth
 from kvtier.backend import Fill, Retrieved, TierHits
 from kvtier.client import dataplane as D
 from kvtier.client.transport import Transport
-from kvtier.errors import InputError, ProtocolError
+from kvtier.errors import InputError
 from kvtier.hashing import as_token_array
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
 from kvtier.tensors import as_numpy, chunk_view, copy_from, empty_kv, join_chunks
-from kvtier.zmq_context import Context
 
 
-class Client(Transport):
+class Client:
     """Connects to ``kvtier server`` at ``url`` for one (model, KV layout, namespace).
 
     Args:
@@ -63,39 +59,20 @@ class Client(Transport):
                  retry_after_seconds: float = 1.0, metrics: Metrics | None = None, prefault: bool = False,
                  secret_file: str | os.PathLike | None = None):
         self.url = url
-        self.model = model
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout)
-        self.namespace = namespace
         self.timeout_seconds = timeout_seconds
-        self.shared_memory = shared_memory
-        self.expect = dict(expect or {})
-        self.retry_after_seconds = retry_after_seconds
         self.metrics = metrics or Metrics()
         self.prefault = prefault
-        self.auth = ClientAuth(url, secret_file)
         self._unflushed: set[str] = set()  # server_ids that acknowledged stores since the last good flush
-        self.info: P.HelloReply | None = None  # the server's answer to the last handshake
-        self._arena = None
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # a DEALER is not thread-safe: one call at a time
-        self._ctx = Context()
-        self._sock = self._monitor = None
-        self._linked = False  # the monitor saw a completed ZMTP handshake and no disconnect since
-        self._down_until = 0.0
-        self._warned = False
-        self._open_socket()
-        with self._lock:
-            self._wait_linked(min(timeout_seconds, 2.0))  # an engine may start before its server
-            try:
-                answered = not self._linked or self._handshake(raise_refusal=True)
-            except ProtocolError:  # refused: release the sockets now (a context collected later with open
-                self._close_socket()  # sockets would block its finalizer forever)
-                self._ctx.term()
-                raise
-            if not answered:
-                self._mark_down("no answer to the handshake")
-            elif not self._linked:
-                self._mark_down(self.auth.problem or f"cannot reach {url}", backoff=bool(self.auth.problem))
+        self.transport = Transport(url, model=model, layout=self.layout, namespace=namespace,
+                                   timeout_seconds=timeout_seconds, shared_memory=shared_memory,
+                                   expect=dict(expect or {}), retry_after_seconds=retry_after_seconds,
+                                   metrics=self.metrics, secret_file=secret_file)
+
+    @property
+    def info(self) -> P.HelloReply | None:
+        """The server's answer to the last handshake (None before the server was ever reached)."""
+        return self.transport.info
 
     # ---- the KVBackend interface ---------------------------------------------------------------
     @property
@@ -104,7 +81,7 @@ class Client(Transport):
         ``expect["chunk_size"]`` given, else 0 (unknown; every call is a miss until the server answers)."""
         if self.info is not None:
             return self.info.chunk_size
-        return int(self.expect.get("chunk_size", 0))
+        return int(self.transport.expect.get("chunk_size", 0))
 
     def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
         """Number of leading tokens of ``tokens`` whose KV the server holds (0 when it is unavailable).
@@ -114,8 +91,8 @@ class Client(Transport):
     def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> TierHits:
         """``lookup`` split by tier (``KVBackend.lookup_tiers``): (0, 0) when the server is unavailable."""
         arr = as_token_array(tokens)
-        with self._lock:
-            reply, _ = self._call(P.Lookup(id=next(self._ids), tokens=P.pack_tokens(arr), namespace=namespace,
+        with self.transport.lock:
+            reply, _ = self.transport.call(P.Lookup(id=self.transport.new_id(), tokens=P.pack_tokens(arr), namespace=namespace,
                                            extra_keys=extra_keys, start=_start(start)))
         if not isinstance(reply, P.LookupReply):
             return TierHits(0, 0)
@@ -129,12 +106,12 @@ class Client(Transport):
         A prefetch of evicted chunks is a miss, never an error. 0 when the server is unavailable. Raises
         InputError for bad tokens."""
         arr = as_token_array(tokens)
-        with self._lock:
-            msg = P.Prefetch(id=next(self._ids), tokens=P.pack_tokens(arr), namespace=namespace, extra_keys=extra_keys)
+        with self.transport.lock:
+            msg = P.Prefetch(id=self.transport.new_id(), tokens=P.pack_tokens(arr), namespace=namespace, extra_keys=extra_keys)
             if not wait:
-                self._post(msg)
+                self.transport.post(msg)
                 return 0
-            reply, _ = self._call(msg)
+            reply, _ = self.transport.call(msg)
         return reply.num_tokens if isinstance(reply, P.PrefetchReply) else 0
 
     def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
@@ -157,9 +134,9 @@ class Client(Transport):
         whatever ``fill`` raises aborts the reservation and is raised.
         """
         arr = as_token_array(tokens)
-        with self._lock:
-            shm = self._arena is not None
-            reply, _ = self._call(P.StoreBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
+        with self.transport.lock:
+            shm = self.transport.arena is not None
+            reply, _ = self.transport.call(P.StoreBegin(id=self.transport.new_id(), tokens=P.pack_tokens(arr), shm=shm,
                                                namespace=namespace, extra_keys=extra_keys, start=_start(start)))
             if not isinstance(reply, P.StoreSlots) or not reply.slots:
                 return 0
@@ -168,7 +145,7 @@ class Client(Transport):
             try:
                 ok, frames = self._fill_slots(reply.slots, fill, got_at)
             finally:  # commit, or abort on a failure of ``fill``: never leave the reservation to expire
-                done, _ = self._call(P.StoreCommit(id=next(self._ids), ticket=reply.ticket, ok=ok),
+                done, _ = self.transport.call(P.StoreCommit(id=self.transport.new_id(), ticket=reply.ticket, ok=ok),
                                      frames if ok else [], retry=False)
         if isinstance(done, P.StoreDone) and done.num_stored:
             self._unflushed.add(self.info.server_id)
@@ -176,7 +153,7 @@ class Client(Transport):
 
     def _fill_slots(self, slots, fill: Fill, got_at: float) -> tuple[bool, list]:
         chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()
-        in_shm = slots[0].offset >= 0 and self._arena is not None
+        in_shm = slots[0].offset >= 0 and self.transport.arena is not None
         # never write after half the lease: past the lease the server may have reused the slot
         budget = self.info.lease_seconds / 2
         frames = []
@@ -187,7 +164,7 @@ class Client(Transport):
                 return False, []
             n = D.slot_tokens(slot, self.layout)
             if in_shm:
-                dst = chunk_view(self._arena.view(slot.offset, slot.nbytes), self.layout, n, dtype)
+                dst = chunk_view(self.transport.arena.view(slot.offset, slot.nbytes), self.layout, n, dtype)
             else:
                 dst = np.empty(self.layout.chunk_shape(n), dtype=dtype)
                 frames.append(dst.data)
@@ -217,17 +194,17 @@ class Client(Transport):
         arr = as_token_array(tokens)
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         got = Retrieved()
-        with self._lock:
-            shm = self._arena is not None
-            reply, payload = self._call(P.RetrieveBegin(id=next(self._ids), tokens=P.pack_tokens(arr), shm=shm,
+        with self.transport.lock:
+            shm = self.transport.arena is not None
+            reply, payload = self.transport.call(P.RetrieveBegin(id=self.transport.new_id(), tokens=P.pack_tokens(arr), shm=shm,
                                                         namespace=namespace, extra_keys=extra_keys,
                                                         start=_start(start)),
                                         deadline=deadline)
             ticket = 0
-            if isinstance(reply, P.RetrieveSlots) and reply.slots and self._arena is not None:
+            if isinstance(reply, P.RetrieveSlots) and reply.slots and self.transport.arena is not None:
                 if self.prefault:
                     self._populate(reply.slots)
-                buffers, ticket = [self._arena.view(s.offset, s.nbytes) for s in reply.slots], reply.ticket
+                buffers, ticket = [self.transport.arena.view(s.offset, s.nbytes) for s in reply.slots], reply.ticket
             elif isinstance(reply, P.RetrieveData) and reply.slots and _frames_match(payload, reply.slots):
                 buffers = [f.buffer for f in payload]
             else:
@@ -240,13 +217,13 @@ class Client(Transport):
             finally:
                 got.chunks = []  # the views die with the pins
                 if ticket:
-                    done, _ = self._call(P.RetrieveEnd(id=next(self._ids), ticket=ticket), retry=False,
+                    done, _ = self.transport.call(P.RetrieveEnd(id=self.transport.new_id(), ticket=ticket), retry=False,
                                          deadline=deadline)
                     got.ok = isinstance(done, P.Ok)
 
     def _populate(self, slots) -> None:
         for slot in slots:
-            self._arena.populate(slot.offset, slot.nbytes)
+            self.transport.arena.populate(slot.offset, slot.nbytes)
 
     def _chunk_views(self, slots, buffers) -> list:
         chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()
@@ -265,8 +242,8 @@ class Client(Transport):
         if medium not in (None, "CPU", "STORAGE"):
             raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
         token = admin_token if admin_token is not None else os.environ.get("KVTIER_ADMIN_TOKEN")
-        with self._lock:
-            reply, _ = self._call(P.Clear(id=next(self._ids), medium=medium, admin_token=token))
+        with self.transport.lock:
+            reply, _ = self.transport.call(P.Clear(id=self.transport.new_id(), medium=medium, admin_token=token))
         return reply.num_chunks if isinstance(reply, P.ClearReply) else 0
 
     def flush(self, timeout_seconds: float = 30.0) -> bool:
@@ -275,10 +252,10 @@ class Client(Transport):
         False on timeout, when the server is unavailable, once after one of its L2 writes was dropped or failed,
         and once after the server restarted (a new ``server_id``: writes acknowledged by the old one may be
         lost)."""
-        with self._lock:
+        with self.transport.lock:
             saved, self.timeout_seconds = self.timeout_seconds, max(self.timeout_seconds, timeout_seconds + 5.0)
             try:
-                reply, _ = self._call(P.Flush(id=next(self._ids), timeout_seconds=timeout_seconds))
+                reply, _ = self.transport.call(P.Flush(id=self.transport.new_id(), timeout_seconds=timeout_seconds))
             finally:
                 self.timeout_seconds = saved
             if not (isinstance(reply, P.FlushReply) and reply.done):
@@ -294,39 +271,25 @@ class Client(Transport):
 
     def ping(self) -> bool:
         """True when the server answers."""
-        with self._lock:
-            reply, _ = self._call(P.Ping(id=next(self._ids)))
+        with self.transport.lock:
+            reply, _ = self.transport.call(P.Ping(id=self.transport.new_id()))
         return isinstance(reply, P.Ok)
 
     def stats(self) -> dict:
         """The server's counters and gauges ({} when unavailable)."""
-        with self._lock:
-            reply, _ = self._call(P.Stats(id=next(self._ids)))
+        with self.transport.lock:
+            reply, _ = self.transport.call(P.Stats(id=self.transport.new_id()))
         return reply.stats if isinstance(reply, P.StatsReply) else {}
 
     @property
     def uses_shared_memory(self) -> bool:
         """Whether KV bytes currently go through the server's shared L1 (else as frames)."""
-        return self._arena is not None
+        return self.transport.arena is not None
 
     def close(self) -> None:
         """Say goodbye (best effort, short wait) and release the socket and the arena mapping."""
-        with self._lock:
-            if self._sock is None:
-                return
-            self._drain_monitor()
-            if self._linked and self.info is not None:
-                timeout, self.timeout_seconds = self.timeout_seconds, min(self.timeout_seconds, 0.5)
-                try:
-                    self._roundtrip(P.Bye(id=next(self._ids)), ())
-                finally:
-                    self.timeout_seconds = timeout
-            self._close_socket()
-            self._sock = None
-            self._ctx.term()
-            if self._arena is not None:
-                self._arena.close()
-                self._arena = None
+        with self.transport.lock:
+            self.transport.close()
 
     def __enter__(self):
         return self

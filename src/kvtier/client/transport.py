@@ -1,8 +1,8 @@
-"""Transport: the client's connection to a kvtier server (``Client`` extends it).
+"""Transport: the client's connection to a kvtier server (a part ``Client`` owns).
 
 One ZMQ DEALER socket and its monitor, the ``Hello`` handshake (session, shared-memory arena), and one request
-with the availability rules (``_call``). Every method here must be called with ``self._lock`` held: a DEALER is
-not thread-safe, so ``Client`` makes one call at a time.
+with the availability rules (``call``). Every method here must be called with ``lock`` held: a DEALER is not
+thread-safe, so ``Client`` makes one call (or one store or retrieve sequence) at a time.
 
 Resilience rules (the engine must never hang or crash because of the cache):
   * A ZMQ monitor tracks the connection: while it is down every call is a *fast miss* (lookup 0,
@@ -18,18 +18,21 @@ Resilience rules (the engine must never hang or crash because of the cache):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import threading
 import time
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvtier import protocol as P
-from kvtier.auth.client import FAILED_EVENTS
+from kvtier.auth.client import FAILED_EVENTS, ClientAuth
 from kvtier.client import dataplane as D
 from kvtier.errors import ProtocolError
 from kvtier.proc import host_id
+from kvtier.zmq_context import Context
 
 log = logging.getLogger(__name__)
 _UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -39,10 +42,47 @@ _REFUSALS = ("version_mismatch", "layout_mismatch", "config_mismatch", "bad_requ
 
 
 class Transport:
-    """The connection half of ``Client``. The attributes it works on are set by ``Client.__init__``: ``url``,
-    ``model``, ``layout``, ``namespace``, ``shared_memory``, ``expect`` (the handshake), ``timeout_seconds``,
-    ``retry_after_seconds``, ``metrics``, ``auth`` (``ClientAuth``), ``info`` (the last ``HelloReply``),
-    ``_arena``, ``_ids``, ``_lock``, ``_ctx``, ``_sock``, ``_monitor``, ``_linked``, ``_down_until``, ``_warned``."""
+    """The connection of one ``Client`` to the server at ``url``, opened (and the handshake tried) here.
+
+    ``model``, ``layout`` (``KVLayout``), ``namespace``, ``shared_memory`` and ``expect`` go into the ``Hello``;
+    ``timeout_seconds``, ``retry_after_seconds``, ``metrics`` and ``secret_file`` are ``Client``'s arguments of
+    those names. ``info`` is the server's last ``HelloReply`` (None before one), ``arena`` its shared-memory L1
+    when attached (else None). Raises ProtocolError when the server refuses the handshake (version, layout or
+    config mismatch); an unreachable server is not an error (calls are misses until it answers).
+    """
+
+    def __init__(self, url: str, *, model: str, layout, namespace: str, timeout_seconds: float,
+                 shared_memory: bool, expect: dict, retry_after_seconds: float, metrics, secret_file=None):
+        self.url, self.model, self.layout, self.namespace = url, model, layout, namespace
+        self.timeout_seconds, self.retry_after_seconds = timeout_seconds, retry_after_seconds
+        self.shared_memory, self.expect, self.metrics = shared_memory, expect, metrics
+        self.auth = ClientAuth(url, secret_file)
+        self.info: P.HelloReply | None = None  # the server's answer to the last handshake
+        self.arena = None
+        self._ids = itertools.count(1)
+        self.lock = threading.Lock()  # a DEALER is not thread-safe: one call at a time
+        self._ctx = Context()
+        self._sock = self._monitor = None
+        self._linked = False  # the monitor saw a completed ZMTP handshake and no disconnect since
+        self._down_until = 0.0
+        self._warned = False
+        self._open_socket()
+        with self.lock:
+            self._wait_linked(min(timeout_seconds, 2.0))  # an engine may start before its server
+            try:
+                answered = not self._linked or self._handshake(raise_refusal=True)
+            except ProtocolError:  # refused: release the sockets now (a context collected later with open
+                self._close_socket()  # sockets would block its finalizer forever)
+                self._ctx.term()
+                raise
+            if not answered:
+                self._mark_down("no answer to the handshake")
+            elif not self._linked:
+                self._mark_down(self.auth.problem or f"cannot reach {url}", backoff=bool(self.auth.problem))
+
+    def new_id(self) -> int:
+        """The id of the next request (replies are matched to requests by it)."""
+        return next(self._ids)
 
     def _open_socket(self) -> None:
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -97,13 +137,13 @@ class Transport:
         if self.info is None or not self._linked:
             return 0
         try:
-            self._sock.send_multipart([P.encode(P.Bye(id=next(self._ids)))], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([P.encode(P.Bye(id=self.new_id()))], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return 0
         return BYE_LINGER_MILLISECONDS
 
     def _handshake(self, raise_refusal: bool = False) -> bool:
-        hello = P.Hello(id=next(self._ids), version=P.PROTOCOL_VERSION, model=self.model,
+        hello = P.Hello(id=self.new_id(), version=P.PROTOCOL_VERSION, model=self.model,
                         layout=self.layout.to_dict(), layout_id=self.layout.layout_id, namespace=self.namespace,
                         host_id=host_id(), pid=os.getpid(), want_shm=self.shared_memory, expect=self.expect)
         reply, _ = self._roundtrip(hello, ())
@@ -118,9 +158,9 @@ class Transport:
         if not isinstance(reply, P.HelloReply):
             return False
         if self.info is None or reply.shm_name != self.info.shm_name:
-            if self._arena is not None:
-                self._arena.close()
-            self._arena = D.attach_arena(reply.shm_name, reply.shm_capacity_bytes) if reply.shm_name else None
+            if self.arena is not None:
+                self.arena.close()
+            self.arena = D.attach_arena(reply.shm_name, reply.shm_capacity_bytes) if reply.shm_name else None
         self.info = reply
         if self._warned:
             log.warning("kvtier server %s is back", self.url)
@@ -162,7 +202,7 @@ class Transport:
                     return reply, parts[1:]
                 # a late reply to an earlier, abandoned request: ignore it
 
-    def _call(self, msg, frames=(), retry: bool = True, deadline: float | None = None) -> tuple[object | None, list]:
+    def call(self, msg, frames=(), retry: bool = True, deadline: float | None = None) -> tuple[object | None, list]:
         """One request with the availability rules; (None, []) means: answer as a miss. ``deadline``: a
         ``time.monotonic()`` after which no reply is waited for."""
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.1)  # a past deadline: one short wait
@@ -194,7 +234,7 @@ class Transport:
         self.metrics.inc("kvtier_client_unavailable_total")
         return None, []
 
-    def _post(self, msg) -> None:
+    def post(self, msg) -> None:
         """Send ``msg`` without waiting for its reply (dropped by a later ``_roundtrip``); nothing when down."""
         if time.monotonic() < self._down_until:
             return
@@ -205,3 +245,18 @@ class Transport:
             self._sock.send_multipart([P.encode(msg)], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             pass  # a full send queue: a prefetch is only a hint
+
+    def close(self) -> None:
+        """Say ``Bye`` (best effort, a short wait: the server frees this session at once), release the socket and
+        the arena mapping. Idempotent; call with ``lock`` held."""
+        if self._sock is None:
+            return
+        self._drain_monitor()
+        if self._linked and self.info is not None:
+            self._roundtrip(P.Bye(id=self.new_id()), (), min(self.timeout_seconds, 0.5))  # best effort, short
+        self._close_socket()
+        self._sock = None
+        self._ctx.term()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None

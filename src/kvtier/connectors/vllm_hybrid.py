@@ -15,8 +15,8 @@ Loads are asynchronous for vLLM (``get_num_new_matched_tokens`` answers ``(n, Tr
 block-level load errors with more than one group (``Scheduler._handle_invalid_blocks`` raises), so a load that
 fails is reported as a failed receive (``get_transfer_results``) and vLLM recomputes the request. The worker
 copies the KV in the step that carries the load and reports it finished in that same step. ``use_layerwise`` does
-not apply (the copy happens outside the forward pass). Scheduler and worker methods are mixed into
-``KVTierConnector`` and called only when ``self.groups.hybrid``.
+not apply (the copy happens outside the forward pass). ``HybridScheduler`` is a part of the connector's
+``SchedulerSide`` and ``HybridWorker`` of its ``WorkerSide``, present only when the model has several groups.
 """
 
 from __future__ import annotations
@@ -79,14 +79,20 @@ class _HybridTrack:
 
 
 class HybridScheduler:
-    """Scheduler-side hybrid methods of ``KVTierConnector``."""
+    """The load and save plan of a model with several KV cache groups (the ``SchedulerSide``'s part).
 
-    def _init_hybrid(self) -> None:
+    ``link``: the side's ``Backends`` (one backend per part of ``groups``, the model's ``KVGroups``);
+    ``can_store``: the connector's role stores.
+    """
+
+    def __init__(self, link, groups, *, can_store: bool):
+        self.link, self.groups, self.can_store = link, groups, can_store
+        self.chunk_size = link.chunk_size
         self._hybrid_loads: list[HybridLoad] = []
         self._hybrid_tracks: dict[str, _HybridTrack] = {}
         self._load_failed: set[str] = set()  # requests whose load failed: recomputed, never offered again
 
-    def _hybrid_failed(self, req_ids) -> None:
+    def failed(self, req_ids) -> None:
         """The worker's failed receives (``update_connector_output``): vLLM recomputes these requests from
         scratch and asks the connector again; kvtier must then answer 0, or the request loops on the same failure."""
         self._load_failed.update(req_ids or ())
@@ -106,7 +112,7 @@ class HybridScheduler:
                     continue
                 first = lo // c * c
                 if (i, first) not in seen:
-                    seen[i, first] = self._call("lookup", self.backends[i].lookup_tiers, tokens, default=(0, 0),
+                    seen[i, first] = self.link.call("lookup", self.link.backends[i].lookup_tiers, tokens, default=(0, 0),
                                                 start=first, **kw)
                 hit, l1 = seen[i, first]
                 if i == 0:
@@ -116,14 +122,15 @@ class HybridScheduler:
                 break
         return end, l1_end
 
-    def _hybrid_matched(self, request, look) -> tuple[int, bool]:
+    def matched(self, request, look) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens`` for ``look`` (a new ``_Lookup``, completed here): ``(tokens, True)``."""
         if request.request_id in self._load_failed:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
         limit = len(tokens) - 1
         if look.controls.max_load_tokens is not None:
             limit = min(limit, look.controls.max_load_tokens)
-        kw = self._ns_kw(look.namespace, look.extra_keys, len(tokens))
+        kw = self.link.ns_kw(look.namespace, look.extra_keys, len(tokens))
         end, l1_end = self._hybrid_load_end(tokens, look.num_computed, limit, kw)
         if end <= look.num_computed:
             return 0, False
@@ -134,7 +141,7 @@ class HybridScheduler:
                     end - look.num_computed)
         return end - look.num_computed, True
 
-    def _hybrid_after_alloc(self, request, blocks, look, num_external: int) -> None:
+    def after_alloc(self, request, blocks, look, num_external: int) -> None:
         start, end = look.end - num_external, look.end
         tables = blocks.get_block_ids()
         tokens = list(request.prompt_token_ids or [])
@@ -151,13 +158,15 @@ class HybridScheduler:
         self._hybrid_loads.append(HybridLoad(request.request_id, tokens[:end_chunk], look.namespace,
                                              look.extra_keys, parts))
 
-    def _hybrid_build_meta(self, scheduler_output, meta) -> None:
+    def build_meta(self, scheduler_output, meta, lookups: dict, loads: dict) -> None:
+        """Fill ``meta``'s hybrid loads and saves for this step; pops the scheduled requests from the
+        ``SchedulerSide``'s ``lookups`` and ``loads`` (req_id -> ``_Lookup``, planned load)."""
         self._hybrid_loads, meta.hybrid_loads = [], self._hybrid_loads
         for load in meta.hybrid_loads:
-            self._loads.pop(load.req_id, None)  # only for the hit sources, asked right after the allocation
+            loads.pop(load.req_id, None)  # only for the hit sources, asked right after the allocation
         for new in scheduler_output.scheduled_new_reqs:
-            look = self._lookups.pop(new.req_id, None)
-            self._loads.pop(new.req_id, None)
+            look = lookups.pop(new.req_id, None)
+            loads.pop(new.req_id, None)
             tokens = list(new.prompt_token_ids or [])
             limit = len(tokens)
             ns, extra, loaded = "", None, 0
@@ -193,7 +202,7 @@ class HybridScheduler:
         track = self._hybrid_tracks[req_id]
         c = self.chunk_size
         last = min(len(track.token_ids), track.store_limit) // c * c
-        if self.can_store and self.backend is not None:
+        if self.can_store and self.link.backend is not None:
             for i, part in enumerate(self.groups.parts):
                 span_lo, span_hi = part.store_span(before, after, c)
                 lo = max(span_lo, track.keep_from[i], track.stored_upto[i])
@@ -208,26 +217,37 @@ class HybridScheduler:
         if not self.can_store or all(s >= last for s in track.stored_upto):
             self._hybrid_tracks.pop(req_id, None)
 
+    def forget(self, req_id: str) -> None:
+        """The request finished: drop its track and its failed load."""
+        self._hybrid_tracks.pop(req_id, None)
+        self._load_failed.discard(req_id)
+
 
 class HybridWorker:
-    """Worker-side hybrid methods of ``KVTierConnector``."""
+    """The loads and saves of a model with several KV cache groups (the ``WorkerSide``'s part).
 
-    def _init_hybrid_worker(self) -> None:
+    ``link``: the side's ``Backends``; ``groups``: the model's ``KVGroups``; ``layout``: its ``KVLayout`` (the
+    dtype of the blocks); ``load_timeout_seconds``: one step's deadline for its loads.
+    """
+
+    def __init__(self, link, groups, layout, load_timeout_seconds: float):
+        self.link, self.groups, self.load_timeout_seconds = link, groups, load_timeout_seconds
+        self.metrics, self.chunk_size = link.metrics, link.chunk_size
+        self._torch_dtype = getattr(torch, layout.dtype)
         self._group_blocks: dict[int, list] = {}
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
 
-    def _hybrid_register(self, kv_caches) -> None:
+    def register(self, kv_caches) -> None:
         self.groups.check_kv_caches(kv_caches)
         for part in self.groups.parts:
             for g, names in part.groups:
                 self._group_blocks[g] = block_views([kv_caches[name] for name in names])
-        self._torch_dtype = getattr(torch, self.layout.dtype)
 
-    def _hybrid_load_all(self, loads: list[HybridLoad]) -> None:
+    def load_all(self, loads: list[HybridLoad]) -> None:
         deadline = time.monotonic() + self.load_timeout_seconds
         for op in loads:
-            ok = op.parts is not None and self._call("retrieve", self._hybrid_load, op, deadline, default=False)
+            ok = op.parts is not None and self.link.call("retrieve", self._load, op, deadline, default=False)
             self._recv_done.add(op.req_id)
             if not ok:
                 self._recv_failed.add(op.req_id)
@@ -238,16 +258,16 @@ class HybridWorker:
                                op.req_id, f"past the {self.load_timeout_seconds:g} s deadline" if late else
                                "not available")
 
-    def _hybrid_load(self, op: HybridLoad, deadline: float) -> bool:
+    def _load(self, op: HybridLoad, deadline: float) -> bool:
         """Copy every part's span of ``op`` into vLLM's blocks; True when all of it loaded."""
         c = self.chunk_size
         for pl in op.parts:
-            part, backend = self.groups.parts[pl.part], self.backends[pl.part]
+            part, backend = self.groups.parts[pl.part], self.link.backends[pl.part]
             if backend is None or time.monotonic() >= deadline:
                 return False
             bs, slices = part.block_size, part.layer_slices()
             with backend.retrieve_chunks(op.token_ids, timeout_seconds=max(0.0, deadline - time.monotonic()),
-                                         start=pl.lo // c * c, **self._ns_kw(op.namespace, op.extra_keys,
+                                         start=pl.lo // c * c, **self.link.ns_kw(op.namespace, op.extra_keys,
                                                                              len(op.token_ids))) as got:
                 if got.num_tokens < pl.hi:
                     return False
@@ -263,18 +283,14 @@ class HybridWorker:
                 return False
         return True
 
-    def _hybrid_save_all(self, saves: list[HybridSave]) -> None:
+    def save_all(self, saves: list[HybridSave]) -> None:
         for op in saves:
-            backend = self.backends[op.part]
+            backend = self.link.backends[op.part]
             if backend is not None:
-                self._call("store", backend.store_chunks, op.token_ids, self._hybrid_filler(op), default=0,
-                           start=op.lo, **self._ns_kw(op.namespace, op.extra_keys, len(op.token_ids)))
-        if saves and self.backend is not None:  # one event stream: in process the parts share their tiers
-            from kvtier.connectors.vllm_worker import to_vllm_events
+                self.link.call("store", backend.store_chunks, op.token_ids, self._filler(op), default=0,
+                               start=op.lo, **self.link.ns_kw(op.namespace, op.extra_keys, len(op.token_ids)))
 
-            self._worker_events.extend(to_vllm_events(self._call("take_events", self.backend.take_events, default=[])))
-
-    def _hybrid_filler(self, op: HybridSave):
+    def _filler(self, op: HybridSave):
         part = self.groups.parts[op.part]
         bs, slices, dtype = part.block_size, part.layer_slices(), self._torch_dtype
 

@@ -115,13 +115,22 @@ def scheduled_again(scheduler_output, tables: dict[str, list[list[int]]]):
 
 
 class SchedulerSide:
-    """Scheduler-side methods of ``KVTierConnector`` (mixed into it; uses its backend, sizes and ``_call``)."""
+    """The scheduler side of ``KVTierConnector``: owns the requests' lookups, planned loads and save tracks.
 
-    def _init_scheduler(self) -> None:
+    ``link``: the side's ``Backends``; ``identity``: the ``VLLMIdentity`` naming a request's namespace and extra
+    keys; ``can_load`` / ``can_store``: the connector's role allows them; ``store_after_seen``: the
+    ``connector.store_after_seen`` setting; ``hybrid``: the ``vllm_hybrid.HybridScheduler`` of a model with several
+    KV cache groups (None: one group), which then plans every load and save.
+    """
+
+    def __init__(self, link, identity, *, can_load: bool, can_store: bool, store_after_seen: int, hybrid=None):
+        self.link, self.identity, self.hybrid = link, identity, hybrid
+        self.metrics, self.chunk_size, self.block_size = link.metrics, link.chunk_size, link.block_size
+        self.can_load, self.can_store = can_load, can_store
         self._lookups: dict[str, _Lookup] = {}
         self._loads: dict[str, tuple[int, int, int]] = {}  # req_id -> (start, end, l1 hit)
         self._tracks: dict[str, _Track] = {}
-        self._store_after_seen = self.config.connector.store_after_seen
+        self._store_after_seen = store_after_seen
         self._seen: OrderedDict = OrderedDict()  # chunk key -> prompts that held it (LRU, SEEN_CAPACITY keys)
 
     def _controls(self, request) -> RequestControls:
@@ -135,7 +144,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         tokens = request.prompt_token_ids or []
         look = self._lookups.get(request.request_id)
-        if look is not None and look.num_prompt == len(tokens) and not self.hybrid:  # hybrid: async, asked anew
+        if look is not None and look.num_prompt == len(tokens) and self.hybrid is None:  # hybrid: async, asked anew
             # a retry while the request waits for blocks: kvtier was asked moments ago, and a chunk evicted
             # since is a failed load that vLLM recomputes (kv_load_failure_policy "recompute")
             look.num_computed = num_computed_tokens
@@ -147,24 +156,25 @@ class SchedulerSide:
         self._lookups[request.request_id] = look
         if self._store_after_seen > 1:
             look.seen_upto = self._count_sighting(request, ns, len(tokens))
-        if not self.can_load or self.backend is None or controls.max_load_tokens == 0:
+        backend = self.link.backend
+        if not self.can_load or backend is None or controls.max_load_tokens == 0:
             return 0, False
-        if self.hybrid:
-            return self._hybrid_matched(request, look)
+        if self.hybrid is not None:
+            return self.hybrid.matched(request, look)
         tokens = list(tokens)
         started = time.perf_counter()
-        hits = self._call("lookup", self.backend.lookup_tiers, tokens, default=(0, 0),
-                          **self._ns_kw(ns, extra, len(tokens)))
+        hits = self.link.call("lookup", backend.lookup_tiers, tokens, default=(0, 0),
+                              **self.link.ns_kw(ns, extra, len(tokens)))
         self.metrics.inc("kvtier_connector_lookup_seconds_total", time.perf_counter() - started)
         self.metrics.inc("kvtier_connector_lookups_total", reused="false")
         look.hit, look.l1_hit = hits[0] // self.chunk_size * self.chunk_size, min(hits[1], hits[0])
         limit = (len(tokens) - 1) if controls.max_load_tokens is None else min(len(tokens) - 1, controls.max_load_tokens)
         look.end = min(look.hit, limit // self.block_size * self.block_size)
-        if look.hit > look.l1_hit and look.end > num_computed_tokens and not self._in_process:
+        if look.hit > look.l1_hit and look.end > num_computed_tokens and not self.link.in_process:
             # start the L2 -> L1 promotion now, on the server's pool, while vLLM finds blocks for the request
             # and schedules it: the worker's retrieve then finds the chunks in L1 (or joins a promotion in
             # flight). In process, a prefetch would block this scheduler on L2 I/O, so none is sent.
-            self._call("prefetch", self.backend.prefetch, tokens[:look.hit], **self._ns_kw(ns, extra, look.hit))
+            self.link.call("prefetch", backend.prefetch, tokens[:look.hit], **self.link.ns_kw(ns, extra, look.hit))
             self.metrics.inc("kvtier_connector_prefetches_total")
         if look.hit:
             logger.info("kvtier: request %s: %d prompt tokens, vLLM has %d, kvtier has %d (%d in L1), loading %d",
@@ -195,8 +205,8 @@ class SchedulerSide:
         look = self._lookups.get(request.request_id)
         if look is not None and num_external_tokens > 0:
             self._loads[request.request_id] = (look.end - num_external_tokens, look.end, look.l1_hit)
-            if self.hybrid:
-                self._hybrid_after_alloc(request, blocks, look, num_external_tokens)
+            if self.hybrid is not None:
+                self.hybrid.after_alloc(request, blocks, look, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """Tokens ``[start, end)`` being loaded, split: those inside kvtier's L1 hit are HOST, the rest DISK."""
@@ -209,9 +219,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVTierConnectorMetadata()
-        if self.hybrid:
-            self._hybrid_build_meta(scheduler_output, meta)
-            self._report_costs()
+        if self.hybrid is not None:
+            self.hybrid.build_meta(scheduler_output, meta, self._lookups, self._loads)
+            self.link.report_costs()
             return meta
         bs = self.block_size
         for new in scheduler_output.scheduled_new_reqs:
@@ -235,7 +245,7 @@ class SchedulerSide:
             self._plan_save(meta, req_id, computed_end)
         for req_id in scheduler_output.finished_req_ids:
             self._tracks.pop(req_id, None)
-        self._report_costs()
+        self.link.report_costs()
         return meta
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, computed_end: int) -> None:
@@ -243,7 +253,7 @@ class SchedulerSide:
         c = self.chunk_size
         last = min(len(track.token_ids), track.store_limit) // c * c
         end = min(computed_end, last) // c * c
-        if self.can_store and self.backend is not None and end > track.stored_upto:
+        if self.can_store and self.link.backend is not None and end > track.stored_upto:
             nb = -(-end // self.block_size)
             meta.saves.append(SaveOp(req_id, track.token_ids[:end], track.namespace, track.block_ids[:nb],
                                      track.extra_keys))
@@ -253,8 +263,8 @@ class SchedulerSide:
 
     def request_finished(self, request, block_ids):
         self._tracks.pop(request.request_id, None)
-        self._hybrid_tracks.pop(request.request_id, None)
-        self._load_failed.discard(request.request_id)
+        if self.hybrid is not None:
+            self.hybrid.forget(request.request_id)
         self._lookups.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         return False, None  # saves are synchronous: the blocks may be freed at once
@@ -262,6 +272,11 @@ class SchedulerSide:
     def request_finished_all_groups(self, request, block_ids):
         """vLLM's hybrid KV cache manager (``SupportsHMA``): ``block_ids`` per KV cache group."""
         return self.request_finished(request, block_ids)
+
+    def loads_failed(self, req_ids) -> None:
+        """The worker's failed receives (``update_connector_output``; only a hybrid model reports any)."""
+        if self.hybrid is not None:
+            self.hybrid.failed(req_ids)
 
     def reset_cache(self) -> None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvtier keeps its data (it is shared with other

@@ -16,6 +16,7 @@ import logging
 import time
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtier.connectors.vllm_layout import (
     as_torch,
@@ -34,20 +35,30 @@ logger = logging.getLogger("vllm.kvtier_connector")
 
 
 class WorkerSide:
-    """Worker-side methods of ``KVTierConnector`` (mixed into it; uses its backend, sizes and ``_call``)."""
+    """The worker side of ``KVTierConnector``: owns vLLM's registered KV caches and this step's staged loads,
+    saves, load errors and events.
 
-    def _init_worker(self) -> None:
+    ``link``: the side's ``Backends``; ``layout``: the model's ``KVLayout``; ``layerwise``: ``use_layerwise``;
+    ``load_timeout_seconds``: one step's deadline for its loads; ``hybrid``: the ``vllm_hybrid.HybridWorker`` of a
+    model with several KV cache groups (None: one group), which then registers, loads and saves.
+    """
+
+    def __init__(self, link, layout, *, layerwise: bool, load_timeout_seconds: float, hybrid=None):
+        self.link, self.layout, self.hybrid = link, layout, hybrid
+        self.metrics, self.block_size = link.metrics, link.block_size
+        self.layerwise, self.load_timeout_seconds = layerwise, load_timeout_seconds
+        self._torch_dtype = getattr(torch, layout.dtype)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._blocks: list[torch.Tensor] = []
         self._layer_loads: list[tuple[torch.Tensor, LoadOp, int]] = []  # (tokens [start, ok_end), op, ok_end)
         self._layer_saves: list[tuple[torch.Tensor, SaveOp]] = []
         self._load_errors: set[int] = set()
-        self._worker_events: list = []
+        self._events: list = []  # vLLM kv_events of this side's stores, for the scheduler
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        if self.hybrid:
-            self._hybrid_register(kv_caches)
+        if self.hybrid is not None:
+            self.hybrid.register(kv_caches)
             return
         names = layer_order(kv_caches)
         if len(names) != self.layout.num_layers:
@@ -58,21 +69,20 @@ class WorkerSide:
         self._kv_caches = {name: kv_caches[name] for name in names}
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._blocks = block_views(self._kv_caches.values())
-        self._torch_dtype = getattr(torch, self.layout.dtype)
 
     # ---- load ----------------------------------------------------------------------------------
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        meta = self._get_connector_metadata()
+    def start_load_kv(self, meta) -> None:
+        """Load this step's ``meta.loads`` (vLLM's connector metadata for the step)."""
         self._layer_loads = []
         if not isinstance(meta, KVTierConnectorMetadata):
             return
         if meta.hybrid_loads:
-            self._hybrid_load_all(meta.hybrid_loads)
+            self.hybrid.load_all(meta.hybrid_loads)
         step_started = time.monotonic()
         deadline = step_started + self.load_timeout_seconds  # one deadline for the step's loads: none waits longer
         for op in meta.loads:
             started = time.monotonic()
-            ok_end = self._call("retrieve", self._load, op, deadline, default=op.start)
+            ok_end = self.link.call("retrieve", self._load, op, deadline, default=op.start)
             if ok_end < op.end:  # fewer tokens than promised: vLLM recomputes these blocks
                 late = time.monotonic() > deadline
                 self.metrics.inc("kvtier_connector_load_failed_tokens_total", op.end - ok_end,
@@ -87,12 +97,13 @@ class WorkerSide:
     def _load(self, op: LoadOp, deadline: float) -> int:
         """Copy the chunks covering ``[op.start, op.end)`` into vLLM's blocks (or stage them for a layerwise
         load); returns the end of what loaded (``op.start``: nothing usable)."""
-        if self.backend is None or time.monotonic() >= deadline:  # no backend here, or no time left this step
+        backend = self.link.backend
+        if backend is None or time.monotonic() >= deadline:  # no backend here, or no time left this step
             return op.start
         bs = self.block_size
         staged = None
-        with self.backend.retrieve_chunks(op.token_ids, timeout_seconds=max(0.0, deadline - time.monotonic()),
-                                          **self._op_kw(op)) as got:
+        with backend.retrieve_chunks(op.token_ids, timeout_seconds=max(0.0, deadline - time.monotonic()),
+                                     **self.link.op_kw(op)) as got:
             ok_end = max(op.start, min(got.num_tokens, op.end) // bs * bs)
             if self.layerwise and ok_end > op.start:
                 staged = torch.empty(self.layout.chunk_shape(ok_end - op.start), dtype=self._torch_dtype)
@@ -124,10 +135,9 @@ class WorkerSide:
         return errors
 
     # ---- save ----------------------------------------------------------------------------------
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
-        if not self.layerwise or self.backend is None:
+    def save_kv_layer(self, meta, layer_name: str, kv_layer: torch.Tensor) -> None:
+        if not self.layerwise or self.link.backend is None:
             return
-        meta = self._get_connector_metadata()
         i = self._layer_index.get(layer_name)
         if i is None or not isinstance(meta, KVTierConnectorMetadata) or not meta.saves:
             return
@@ -137,27 +147,40 @@ class WorkerSide:
         for buf, op in self._layer_saves:
             gather_layer(kv_layer, op.block_ids, self.block_size, len(op.token_ids), out=buf[i])
 
-    def wait_for_save(self):
-        meta = self._connector_metadata
+    def wait_for_save(self, meta) -> None:
+        """Store this step's ``meta.saves`` (vLLM's connector metadata for the step, or None)."""
         self._layer_loads = []
         staged, self._layer_saves = self._layer_saves, []
         if isinstance(meta, KVTierConnectorMetadata) and meta.hybrid_saves:
-            self._hybrid_save_all(meta.hybrid_saves)
-        if not isinstance(meta, KVTierConnectorMetadata) or self.backend is None or not meta.saves:
+            self.hybrid.save_all(meta.hybrid_saves)
+            self._events.extend(to_vllm_events(self.link.take_events()))
+        backend = self.link.backend
+        if not isinstance(meta, KVTierConnectorMetadata) or backend is None or not meta.saves:
             return
         started = time.perf_counter()
         sources = staged if self.layerwise else [(None, op) for op in meta.saves]
         stored = 0
         for buf, op in sources:
-            stored += self._call("store", self.backend.store_chunks, op.token_ids, self._filler(op, buf), default=0,
-                                 **self._op_kw(op))
+            stored += self.link.call("store", backend.store_chunks, op.token_ids, self._filler(op, buf), default=0,
+                                     **self.link.op_kw(op))
         took = time.perf_counter() - started
         self.metrics.inc("kvtier_connector_store_calls_total", len(sources))
         self.metrics.inc("kvtier_connector_stored_chunks_total", stored)
         self.metrics.inc("kvtier_connector_store_seconds_total", took)
         logger.debug("kvtier: stored %d new chunks of %d requests in %.4f s", stored, len(sources), took)
-        self._report_costs()
-        self._worker_events.extend(to_vllm_events(self._call("take_events", self.backend.take_events, default=[])))
+        self.link.report_costs()
+        self._events.extend(to_vllm_events(self.link.take_events()))
+
+    def take_events(self) -> list:
+        """vLLM ``kv_events`` of this side's stores since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Loads finished this step (only a hybrid model loads asynchronously: none otherwise)."""
+        if self.hybrid is not None:
+            return self.hybrid.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=set(), failed_recving=set())
 
     def _filler(self, op: SaveOp, staged: torch.Tensor | None):
         """``fill(start, dst)`` for ``store_chunks``: from vLLM's blocks, or from the layerwise staging tensor."""

@@ -8,7 +8,7 @@ that other servers write to waits for a probe on the pool, ``server/lookup.py``)
 continues into L2-only chunks, and every ``Prefetch``, is handed to the promotion pool
 (``kvtier.server.promote``) and answered by the request thread when the pool finishes or when
 ``server.promote_timeout_seconds`` passes (then from L1 alone: the rest is a miss); ``Flush`` is answered
-when the L2 write queue drains; ``Clear`` clears L1 at once and queues the L2 clear behind the writes.
+when the L2 write queue drains (``server/flushes.py``); ``Clear`` clears L1 at once and queues the L2 clear behind the writes.
 L2 writes, probes and clears run on ``L2Tier``'s own daemon threads. Caches are made per
 (model, KV layout, namespace) on ``Hello`` and share the tiers. Store, retrieve and prefetch, with the *leases*
 on the L1 slots they hand out (expired here, by ``_expire``), are ``server/dataops.py``. Bounds per client,
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -31,16 +30,17 @@ import zmq
 
 from kvtier import protocol as P
 from kvtier.auth.keyring import server_keyring
-from kvtier.auth.zap import guarded_router
 from kvtier.cache import KVCache, Tiers
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
 from kvtier.proc import host_id, pid_start_time
 from kvtier.server.dataops import DataOps
+from kvtier.server.flushes import Flushes
 from kvtier.server.lookup import LookupProber
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
+from kvtier.server.listen import pick_port, request_router
 from kvtier.server.limits import ClientLimits, Quarantine
 from kvtier.server.principals import Principals, principal_of
 from kvtier.server.session import (
@@ -61,16 +61,6 @@ log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
 SWITCH_INTERVAL_SECONDS = 0.0005
 IDLE_SCAN_SECONDS = 1.0  # idle sessions are looked for this often (each scan visits every session)
-
-
-def pick_port(host: str, port: int) -> int:
-    """``port``, or for 0 a free one now (the secret file is named by port, and CurveZMQ keys must be set
-    before the socket binds)."""
-    if port:
-        return port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.bind((host if host not in ("*", "0.0.0.0") else "", 0))
-        return probe.getsockname()[1]
 
 
 class KVTierServer:
@@ -104,13 +94,7 @@ class KVTierServer:
             raise ConfigError(f"cannot start on {srv.host}:{srv.port}: {exc}") from exc
         # a secret made for a port the OS picked (--port 0) names a port no later server will have: removed at close
         self._secret_made_for_port_0 = created and srv.port == 0 and not srv.auth_secret_file
-        self.sock, self._zap = guarded_router(self._ctx, self.keyring, self._refused)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # a frame larger than this drops the sender's connection before it is buffered
-        self.sock.setsockopt(zmq.MAXMSGSIZE, srv.max_message_bytes + P.MAX_HEADER_BYTES)
-        # replies queue per client up to this many; past it (a client that never reads) they are dropped
-        self.sock.setsockopt(zmq.SNDHWM, srv.max_unread_replies_per_client)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # so a full queue is an error we count, not silence
+        self.sock, self._zap = request_router(self._ctx, self.keyring, srv, self._refused)
         try:
             self.sock.bind(f"tcp://{srv.host}:{self.port}")
         except zmq.ZMQError as exc:
@@ -133,7 +117,6 @@ class KVTierServer:
         self.caches: dict[tuple[str, str, str], KVCache] = {}
         self.sessions: dict[bytes, Session] = {}
         self._next_idle_scan = 0.0
-        self._flushes: list[tuple] = []  # deferred Flush replies: (identity, id, deadline, session)
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
         self.turns = Turns(srv.max_inflight_requests_per_principal if srv.client_limits else MAX_QUEUED)
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
@@ -143,10 +126,11 @@ class KVTierServer:
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
         self.principals = Principals(self.limits)
         self.quarantine = Quarantine(self.tiers.l1, self.metrics)
+        self.flushes = Flushes(self.tiers.l2, self._send)
         self.data = DataOps(config, self.metrics, self.tiers, self.sessions, self.limits, self.quarantine, self.promoter,
                             self.lookups, self.lock, self._send)
         self._handlers = {P.Ping: self._on_ping, P.Bye: self._on_bye, P.Stats: self._on_stats, P.Clear: self._on_clear,
-                          P.Flush: self._on_flush, P.Lookup: self._on_lookup, P.StoreBegin: self.data.store_begin,
+                          P.Flush: self.flushes.on_flush, P.Lookup: self._on_lookup, P.StoreBegin: self.data.store_begin,
                           P.StoreCommit: self.data.store_commit, P.RetrieveBegin: self.data.retrieve_begin,
                           P.RetrieveEnd: self.data.retrieve_end, P.Prefetch: self.data.prefetch}
         self.metrics.set("kvtier_connected_clients", 0)
@@ -341,14 +325,6 @@ class KVTierServer:
             return error_reply(msg, "unauthorized", refusal), []
         return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium, wait=False)), []
 
-    def _on_flush(self, identity, session, msg, payload):
-        if self.tiers.l2.flush(0):
-            return P.FlushReply(id=msg.id, done=session.flushed(True)), []
-        # answered later by _expire, so a slow L2 never blocks the request loop
-        self._flushes.append((identity, msg.id, time.monotonic() + msg.timeout_seconds, session))
-        session.usage.add(inflight=1)
-        return None, []
-
     def _on_lookup(self, identity, session, msg, payload):  # deferred only to probe a shared L2 (server/lookup.py)
         return (None, []) if self.lookups.defer(identity, session, msg) else self.lookups.reply(identity, session, msg)
 
@@ -358,12 +334,7 @@ class KVTierServer:
         with self.lock:
             self.data.expire_leases(now)
             self.quarantine.sweep(now)
-            if self._flushes:
-                done = self.tiers.l2.flush(0)
-                for entry in [f for f in self._flushes if done or f[2] <= now]:
-                    self._flushes.remove(entry)
-                    entry[3].usage.add(inflight=-1)  # also when the session is gone: its principal's count must drop
-                    self._send(entry[0], P.FlushReply(id=entry[1], done=entry[3].flushed(done)))
+            self.flushes.answer(now)
             if now < self._next_idle_scan:
                 return
             self._next_idle_scan = now + IDLE_SCAN_SECONDS
