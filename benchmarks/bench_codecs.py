@@ -203,7 +203,13 @@ def chart(results: list[dict], path: str) -> None:
                 label = f"{result['model']} {key[6:]}: {row['codec']}"
                 if row["codec"] != "memcpy" and (key == "speed_bf16" or row["codec"].startswith("bf16")):
                     data[label] = round(row["ratio_vs_bf16"], 2)
-    bars(data, "KV codecs: compression ratio against the bf16 KV", "bf16 bytes / encoded bytes", path, line=1.3)
+    if data:
+        bars(data, "KV codecs: compression ratio against the bf16 KV", "bf16 bytes / encoded bytes", path, line=1.3)
+    quality = {f"{r['model']}: {row['codec']}": round(100 * row["identical_answers"])
+               for r in results for row in r.get("quality") or []}
+    if quality:  # a quality run: its own chart beside the ratio one
+        target = str(path).removesuffix(".png") + "_quality.png" if data else path
+        bars(quality, "Lossy KV: 32-token answers identical to raw KV's", "% of prompts", target, line=95)
 
 
 def main() -> None:
@@ -219,7 +225,8 @@ def main() -> None:
     parser.add_argument("--quality-codecs", help=f"semicolon-separated specs for the quality half (default {QUALITY_CODECS})")
     parser.add_argument("--only", choices=("speed", "quality"), help="one half of the benchmark")
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--chart", help="also draw the ratios into this PNG (from this run, or --from-json)")
+    parser.add_argument("--chart", help="also draw the ratios (speed runs) or the identical answers (quality runs) "
+                        "into this PNG (from this run, or --from-json)")
     parser.add_argument("--from-json", help="draw --chart from a saved --json file and exit")
     args = parser.parse_args()
     if args.from_json:
