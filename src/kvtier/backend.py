@@ -103,7 +103,7 @@ class KVBackend(Protocol):
         Raises InputError for bad tokens."""
         ...
 
-    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, start: int = 0) -> int:
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, start: int = 0, hint=None) -> int:
         """Store the KV of the chunks of ``tokens`` that the cache lacks, letting ``fill`` write each in place.
 
         ``fill(start, dst)`` is called once per missing chunk, in token order: ``start`` is the chunk's first
@@ -111,6 +111,9 @@ class KVBackend(Protocol):
         layout's ``numpy_dtype``) that ``fill`` must overwrite entirely; it is the cache's own slot where the
         backend allows (no intermediate copy). Chunks already held are never asked for. The chunks become
         visible to ``lookup`` / ``retrieve_chunks`` only once every one was filled and committed.
+
+        ``hint``: None or a ``kvtier.hints.RetentionHint`` (priority, TTL, session) for every chunk of the prompt
+        the cache holds after the store, already-held ones included (``kvtier.l1.retention`` says what it does).
 
         Returns the number of chunks newly stored (0 when unavailable, or when nothing was stored).
         Raises InputError for bad tokens; whatever ``fill`` raises aborts the store (nothing is stored) and
