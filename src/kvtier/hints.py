@@ -55,22 +55,11 @@ def check_hint(priority=None, ttl_seconds=None, session_id=None) -> RetentionHin
 
 
 def hint_from_params(params: Mapping | None) -> RetentionHint | None:
-    """The hint in an engine's per-request parameters (vLLM ``kv_transfer_params``, Dynamo's pass-through):
-    keys ``priority``, ``ttl_seconds``, ``session_id``, at the top level or under ``"kvtier"``. Unknown keys
-    under ``"kvtier"`` raise InputError naming them (top-level keys belong to other connectors too)."""
+    """The hint in an engine's per-request parameters (vLLM ``kv_transfer_params``; Dynamo passes its frontend's
+    through): ``kvtier.priority``, ``kvtier.ttl_seconds``, ``kvtier.session_id`` (other keys are left alone).
+    Raises InputError naming a bad field."""
     if not params:
         return None
     if not isinstance(params, Mapping):
         raise InputError(f"kv_transfer_params must be a mapping, got {type(params).__name__}")
-    nested = params.get("kvtier")
-    if nested is not None:
-        if not isinstance(nested, Mapping):
-            raise InputError(f"kv_transfer_params['kvtier'] must be a mapping, got {type(nested).__name__}")
-        unknown = sorted(set(nested) - set(HINT_FIELDS))
-        if unknown:
-            raise InputError(f"unknown retention hint field(s) {unknown} in kv_transfer_params['kvtier']; "
-                             f"valid: {', '.join(HINT_FIELDS)}")
-        source = nested
-    else:
-        source = params
-    return check_hint(*(source.get(name) for name in HINT_FIELDS))
+    return check_hint(*(params.get("kvtier." + name) for name in HINT_FIELDS))

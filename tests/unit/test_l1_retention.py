@@ -136,9 +136,7 @@ def test_bad_hints_name_their_field(args, field):
 def test_hints_from_engine_params():
     assert hint_from_params(None) is None
     assert hint_from_params({"do_remote_prefill": True}) is None
-    assert hint_from_params({"session_id": "a", "ttl_seconds": 30}) == RetentionHint(0, 30.0, "a")
-    assert hint_from_params({"kvtier": {"priority": 2}}) == RetentionHint(2, None, None)
-    with pytest.raises(InputError, match="prio"):
-        hint_from_params({"kvtier": {"prio": 2}})
+    assert hint_from_params({"kvtier.session_id": "a", "kvtier.ttl_seconds": 30}) == RetentionHint(0, 30.0, "a")
+    assert hint_from_params({"kvtier.priority": 2}) == RetentionHint(2, None, None)
     with pytest.raises(InputError, match="ttl_seconds"):
-        hint_from_params({"kvtier": {"ttl_seconds": 0}})
+        hint_from_params({"kvtier.ttl_seconds": 0})
