@@ -85,6 +85,11 @@ class KVBackend(Protocol):
     A backend is opened for one (model, KV layout, default namespace). Only caller mistakes raise
     (``InputError``: bad tokens); a cache that cannot answer (server gone, L2 failure) answers as a miss,
     never with wrong KV.
+
+    Every method that takes a prompt also takes ``extra_keys``: None, or one entry per engine block of the
+    prompt (vLLM's per-block extra keys: multimodal hashes, LoRA name, cache salt; ``kvtier.extra_keys``), hashed
+    into each block's digest so a chunk is only ever served to a prompt with the same ones. ``start``: a token
+    offset; the call concerns the chunks from the one holding ``start`` on.
     """
 
     @property
@@ -92,18 +97,19 @@ class KVBackend(Protocol):
         """Tokens per chunk (an int > 0; a server client that has not reached its server yet says 0)."""
         ...
 
-    def lookup(self, tokens, namespace: str | None = None, *, start: int = 0) -> int:
+    def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
         """Number of leading tokens of ``tokens`` whose KV the cache holds now (whole chunks). Read-only:
         nothing is promoted between tiers. 0 when unavailable. Raises InputError for bad tokens."""
         ...
 
-    def lookup_tiers(self, tokens, namespace: str | None = None, *, start: int = 0) -> TierHits:
+    def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> TierHits:
         """``lookup`` split by tier: ``TierHits(num_tokens, num_l1_tokens)``. Counted in the cache's
         ``kvtier_lookup_hit_tokens_total{medium="CPU"|"STORAGE"}`` exactly as answered. (0, 0) when unavailable.
         Raises InputError for bad tokens."""
         ...
 
-    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, start: int = 0) -> int:
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None, start: int = 0,
+                     hint=None) -> int:
         """Store the KV of the chunks of ``tokens`` that the cache lacks, letting ``fill`` write each in place.
 
         ``fill(start, dst)`` is called once per missing chunk, in token order: ``start`` is the chunk's first
@@ -112,13 +118,16 @@ class KVBackend(Protocol):
         backend allows (no intermediate copy). Chunks already held are never asked for. The chunks become
         visible to ``lookup`` / ``retrieve_chunks`` only once every one was filled and committed.
 
+        ``hint``: None or a ``kvtier.hints.RetentionHint`` (priority, TTL, session) for every chunk of the prompt
+        the cache holds after the store, already-held ones included (``kvtier.l1.retention`` says what it does).
+
         Returns the number of chunks newly stored (0 when unavailable, or when nothing was stored).
         Raises InputError for bad tokens; whatever ``fill`` raises aborts the store (nothing is stored) and
         is raised.
         """
         ...
 
-    def retrieve_chunks(self, tokens, namespace: str | None = None, *,
+    def retrieve_chunks(self, tokens, namespace: str | None = None, *, extra_keys=None,
                         timeout_seconds: float | None = None, start: int = 0) -> AbstractContextManager[Retrieved]:
         """Zero-copy access to the KV of the leading available tokens of ``tokens``, chunk by chunk.
 
@@ -130,7 +139,7 @@ class KVBackend(Protocol):
         """
         ...
 
-    def prefetch(self, tokens, namespace: str | None = None, *, wait: bool = False) -> int:
+    def prefetch(self, tokens, namespace: str | None = None, *, extra_keys=None, wait: bool = False) -> int:
         """Hint: bring the leading chunks of ``tokens`` that only L2 holds into L1 ahead of ``retrieve_chunks``
         (a connector sends it as soon as the scheduler knows a prompt). A server client returns 0 at once
         unless ``wait``; with ``wait`` (and always in process) it returns the leading tokens L1 holds after the

@@ -29,7 +29,8 @@ Exchanges:
   ``extra_keys`` (one entry per block of ``block_size`` tokens, a trailing partial block included: null or an
   array of keys; a key is a str, bin, int, null or an array of those; see ``kvtier.extra_keys.check_extra_keys``).
   The server checks them strictly (``bad_request`` names what is wrong) and hashes them as tuples.
-  * ``StoreBegin`` -> ``StoreSlots`` (the chunks to write; ``offset`` into the shared L1 arena, or -1
+  * ``StoreBegin`` (optional retention hints ``priority``, ``ttl_seconds``, ``session_id``, v5) -> ``StoreSlots``
+    (the chunks to write; ``offset`` into the shared L1 arena, or -1
     when the bytes travel as frames) -> ``StoreCommit`` (+ one frame per slot in frames mode) -> ``StoreDone``.
   * ``RetrieveBegin(shm=True)`` -> ``RetrieveSlots`` (pinned arena slots) -> client copies ->
     ``RetrieveEnd`` -> ``Ok`` (the copy is valid) or ``Error(lease_expired)`` (discard it).
@@ -59,8 +60,8 @@ import numpy as np
 from kvtier.errors import InputError
 from kvtier.hashing import as_token_array
 
-PROTOCOL_VERSION = 4  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant; 3: LookupReply.num_l1_tokens;
-# 4: Prefetch, deferred replies (promotions on a pool)
+PROTOCOL_VERSION = 5  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant; 3: LookupReply.num_l1_tokens;
+# 4: Prefetch, deferred replies (promotions on a pool); 5: StoreBegin retention hints
 MAX_HEADER_BYTES = 64 << 20  # a header holds token ids, never KV; 64 MiB is ~8M tokens
 MAX_TOKENS = 8 << 20
 
@@ -106,11 +107,18 @@ class Lookup(_Msg, tag="lookup"):
 
 
 class StoreBegin(_Msg, tag="store_begin"):
+    """Reserve slots for a prompt's missing chunks. Retention hints (v5, ``kvtier.hints``): ``priority`` 0-3,
+    ``ttl_seconds`` > 0, ``session_id``; checked by the server (``bad_request`` names the field) and applied at
+    commit to every chunk of the prompt L1 holds."""
+
     tokens: TokenIds
     shm: bool = True
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
     start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
+    priority: Any = None  # typed loosely so the server's check_hint names the field in its error
+    ttl_seconds: Any = None
+    session_id: Any = None
 
 
 class StoreCommit(_Msg, tag="store_commit"):

@@ -13,6 +13,7 @@ from kvtier.connectors.vllm_config import (
     valid_keys,
 )
 from kvtier.errors import ConfigError
+from kvtier.hints import RetentionHint
 
 ENGINE = {"block_size": 128, "hash_algorithm": "sha256", "hash_seed": "0"}
 
@@ -80,6 +81,8 @@ def test_request_controls():
     assert request_controls({"kvtier.skip_store": True}) == RequestControls(None, 0)
     assert request_controls({"kvtier.skip_load": "yes", "kvtier.skip_store": False}) == RequestControls(0, None)
     assert NO_TRANSFER == RequestControls(0, 0)
+    hinted = request_controls({"kvtier.session_id": "agent-1", "kvtier.priority": 2, "kvtier.ttl_seconds": 90})
+    assert hinted == RequestControls(hint=RetentionHint(2, 90.0, "agent-1"))
 
 
 @pytest.mark.parametrize("params, message", [
@@ -88,6 +91,9 @@ def test_request_controls():
     ({"max_load_tokens": -1}, r"kv_transfer_params\['max_load_tokens'\] = -1: must be an int >= 0"),
     ({"max_offload_tokens": "10"}, r"must be an int >= 0"),
     ({"kvtier.skip_load": "maybe"}, r"kv_transfer_params\['kvtier.skip_load'\]: cannot read 'maybe'"),
+    ({"kvtier.ttl_seconds": 0}, r"'ttl_seconds' must be > 0"),
+    ({"kvtier.priority": 5}, r"'priority' must be an int from 0 to 3"),
+    ({"kvtier.sesion_id": "a"}, r"did you mean 'kvtier.session_id'"),
 ])
 def test_bad_request_controls(params, message):
     with pytest.raises(ConfigError, match=message):

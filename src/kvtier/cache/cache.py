@@ -23,6 +23,7 @@ from kvtier.errors import InputError, KVTierError
 from kvtier.extra_keys import check_extra_keys, num_blocks_of
 from kvtier.hashing import as_token_array, prefix_hashes
 from kvtier.keys import ChunkKey, chunk_layout_id
+from kvtier.hints import RetentionHint
 from kvtier.l2.tier import WriteItem
 from kvtier.layout import KVLayout
 from kvtier.tensors import as_numpy, chunk_view, copy_from, join_chunks
@@ -139,13 +140,14 @@ class KVCache:
 
     # ---- store -------------------------------------------------------------------------
     def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None,
-                    max_bytes: int | None = None, start: int = 0) -> StoreTicket:
+                    max_bytes: int | None = None, start: int = 0, hint: RetentionHint | None = None) -> StoreTicket:
         """Reserve L1 slots for the chunks of ``tokens`` not yet stored, from ``start``'s chunk on (stops at the
         first chunk that cannot get space, or that would take the reserved bytes past ``max_bytes``: then
-        ``ticket.limited``). The slots are invisible until ``commit_store``."""
+        ``ticket.limited``). The slots are invisible until ``commit_store``. ``hint`` (``retention.check_hint``)
+        is applied at commit to every chunk of the prompt L1 then holds, already-stored ones included."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         refs = self._from(refs, start)
-        ticket = StoreTicket(arr, refs)
+        ticket = StoreTicket(arr, refs, hint=hint)
         reserved = 0
         for ref in refs:
             if self.l1.contains(ref.key):
@@ -176,6 +178,9 @@ class KVCache:
         for slot in reversed(ticket.slots):  # tail inserted first: the policy evicts tails before heads
             self.l1.commit(slot.ref.key)
         self.metrics.inc("kvtier_store_chunks_total", len(ticket.slots))
+        if ticket.hint is not None and ticket.hint.protects:
+            refused = self.l1.hint([ref.key for ref in ticket.refs], ticket.hint)[1]
+            self.metrics.inc("kvtier_retention_refused_chunks_total", refused)
         for run in _runs(ticket.slots):
             if self.tiers.events is not None:
                 self.tiers.events.stored(ticket.tokens, [slot.ref for slot in run], "CPU")
@@ -208,7 +213,8 @@ class KVCache:
         ticket.slots.clear()
         return out
 
-    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None, start: int = 0,
+                     hint: RetentionHint | None = None) -> int:
         """``KVBackend.store_chunks`` in process: ``dst`` is the reserved L1 slot itself (``begin_store``), so
         the KV is copied once, by ``fill``. The chunks are published by ``commit_store`` (L2 writes queued,
         events emitted) only after every ``fill`` returned; chunks that got no L1 space are not asked for.
@@ -217,7 +223,7 @@ class KVCache:
         frees the reserved slots (nothing is stored) and is raised.
         """
         started = time.perf_counter()
-        ticket = self.begin_store(tokens, namespace, extra_keys=extra_keys, start=start)
+        ticket = self.begin_store(tokens, namespace, extra_keys=extra_keys, start=start, hint=hint)
         dtype = self.layout.numpy_dtype()
         try:
             for slot in ticket.slots:
@@ -229,12 +235,14 @@ class KVCache:
         self.metrics.observe("kvtier_store_seconds", time.perf_counter() - started)
         return stored
 
-    def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
+    def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None,
+              hint: RetentionHint | None = None) -> int:
         """Store the KV of ``tokens`` through ``store_chunks``: only chunks not yet in L1 are written.
 
         Args:
             tokens: 1-D token ids, length T.
             kv: torch tensor or numpy array ``(num_layers, 2, T, num_kv_heads, head_dim)`` in the layout dtype.
+            hint: retention hint for the prompt's chunks (``kvtier.l1.retention.check_hint``), or None.
 
         Returns:
             the number of chunks newly stored.
@@ -244,7 +252,7 @@ class KVCache:
         """
         arr = as_token_array(tokens)
         self.layout.validate_kv(kv, len(arr))
-        return self.store_chunks(arr, copy_from(as_numpy(kv)), namespace, extra_keys=extra_keys)
+        return self.store_chunks(arr, copy_from(as_numpy(kv)), namespace, extra_keys=extra_keys, hint=hint)
 
     # ---- retrieve ----------------------------------------------------------------------
     def l1_prefix(self, refs: list[ChunkRef]) -> int:

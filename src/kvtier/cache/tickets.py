@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.keys import ChunkKey
+from kvtier.hints import RetentionHint
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class StoreTicket:
     refs: list[ChunkRef]
     slots: list[L1Slot] = field(default_factory=list)
     limited: bool = False
+    hint: RetentionHint | None = None  # applied at commit to every chunk of the prompt (stored or already held)
     # told, from the L2 writer's thread, how many committed chunks will not reach L2 (dropped, failed): flush()
     on_lost: Callable[[int], None] | None = None
 

@@ -36,7 +36,9 @@ class Tiers:
             publisher = EventPublisher(config.kv_events, metrics=self.metrics, auth=auth) if publish_events else None
             self.events = EventEmitter(config, publisher=publisher)
         adapters = [create_adapter(spec) for spec in config.l2_adapters]
-        self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name)
+        self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name,
+                          retention_max_share=config.l1_retention_max_share,
+                          session_ttl_seconds=config.session_ttl_seconds)
         self.l1.on_evict = self._on_l1_evict
         self.memo = LookupMemo(config.lookup_memo_max_bytes)
         record_key = RecordKeys(config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None,

@@ -24,6 +24,7 @@ from kvtier.client import dataplane as D
 from kvtier.client.transport import Transport
 from kvtier.errors import InputError
 from kvtier.hashing import as_token_array
+from kvtier.hints import RetentionHint
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
 from kvtier.tensors import as_numpy, chunk_view, copy_from, empty_kv, join_chunks
@@ -114,7 +115,8 @@ class Client:
             reply, _ = self.transport.call(msg)
         return reply.num_tokens if isinstance(reply, P.PrefetchReply) else 0
 
-    def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None) -> int:
+    def store(self, tokens, kv, namespace: str | None = None, *, extra_keys=None,
+              hint: RetentionHint | None = None) -> int:
         """Store the KV of ``tokens`` (``(num_layers, 2, T, num_kv_heads, head_dim)``, layout dtype), through
         ``store_chunks``: only the chunks the server lacks are copied.
 
@@ -123,21 +125,26 @@ class Client:
         """
         arr = as_token_array(tokens)
         self.layout.validate_kv(kv, len(arr))
-        return self.store_chunks(arr, copy_from(as_numpy(kv)), namespace, extra_keys=extra_keys)
+        return self.store_chunks(arr, copy_from(as_numpy(kv)), namespace, extra_keys=extra_keys, hint=hint)
 
-    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
+    def store_chunks(self, tokens, fill: Fill, namespace: str | None = None, *, extra_keys=None, start: int = 0,
+                     hint: RetentionHint | None = None) -> int:
         """``KVBackend.store_chunks`` over the server: ``dst`` is the server's L1 slot itself with shared
         memory (no intermediate copy), otherwise a buffer sent as a frame.
 
         Returns the number of chunks newly stored (0 when the server is unavailable, or when the lease ran
         out before every chunk was written: then nothing is stored). Raises InputError for bad tokens;
-        whatever ``fill`` raises aborts the reservation and is raised.
+        whatever ``fill`` raises aborts the reservation and is raised. ``hint``: retention hint
+        (``kvtier.hints.check_hint``) for the prompt's chunks; a server refusing it answers ``bad_request``.
         """
         arr = as_token_array(tokens)
+        fields = {} if hint is None else {"priority": hint.priority or None, "ttl_seconds": hint.ttl_seconds,
+                                          "session_id": hint.session_id}
         with self.transport.lock:
             shm = self.transport.arena is not None
             reply, _ = self.transport.call(P.StoreBegin(id=self.transport.new_id(), tokens=P.pack_tokens(arr), shm=shm,
-                                               namespace=namespace, extra_keys=extra_keys, start=_start(start)))
+                                                        namespace=namespace, extra_keys=extra_keys, start=_start(start),
+                                                        **fields))
             if not isinstance(reply, P.StoreSlots) or not reply.slots:
                 return 0
             got_at = time.monotonic()

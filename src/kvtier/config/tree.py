@@ -187,6 +187,9 @@ class KVTierConfig(_Section):
     save_unfull_chunk: Bool = False
     l1_size_gb: SizeGB = 1.0
     eviction_policy: Annotated[str, BeforeValidator(_policy)] = "LRU"
+    # share of L1 that chunks under a retention hint (priority, TTL, session, management pin) may hold
+    l1_retention_max_share: float = Field(0.5, ge=0.0, le=1.0)
+    session_ttl_seconds: float = Field(300.0, gt=0)  # TTL of a store's session hint that names no ttl_seconds
     l2_adapters: list[dict] = Field(default_factory=list)  # in cascade order; see l2.create_adapter
     l2_write_queue_size: int = Field(64, ge=0)  # chunks waiting for L2; a full queue drops the write
     l2_promote_to_faster_l2: Bool = False  # also copy hits into L2 adapters ahead of the one that had it

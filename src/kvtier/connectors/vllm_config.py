@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import ConnectorConfig, KVTierConfig, load_config
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, InputError
+from kvtier.hints import RetentionHint, hint_from_params
 from kvtier.layout import KVLayout
 from kvtier.units import parse_bool
 
@@ -95,6 +96,7 @@ class RequestControls:
 
     max_load_tokens: int | None = None
     max_store_tokens: int | None = None
+    hint: RetentionHint | None = None  # kvtier.priority / kvtier.ttl_seconds / kvtier.session_id (kvtier.hints)
 
 
 NO_TRANSFER = RequestControls(0, 0)
@@ -104,6 +106,9 @@ TRANSFER_PARAMS = {
     "max_offload_tokens": "store at most this many leading tokens (0: do not store)",
     "kvtier.skip_load": "true: do not load for this request",
     "kvtier.skip_store": "true: do not store this request",
+    "kvtier.priority": "retention priority 0-3 of the stored chunks (higher: evicted later)",
+    "kvtier.ttl_seconds": "protect the stored chunks from eviction for this many seconds (> 0)",
+    "kvtier.session_id": "the session the chunks belong to (protected for session_ttl_seconds; management API)",
 }
 
 
@@ -135,7 +140,11 @@ def request_controls(params: dict[str, Any] | None) -> RequestControls:
                 raise ConfigError(f"kv_transfer_params[{key!r}]: {exc}") from None
             if skip:
                 out["max_load_tokens" if key == "kvtier.skip_load" else "max_store_tokens"] = 0
-    return RequestControls(**out)
+    try:
+        hint = hint_from_params(params)
+    except InputError as exc:
+        raise ConfigError(f"kv_transfer_params: {exc}") from None
+    return RequestControls(**out, hint=hint)
 
 
 def check_chunk_size(chunk_size: int, block_size: int) -> None:

@@ -29,6 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connectors.vllm_config import NO_TRANSFER, RequestControls, request_controls
 from kvtier.errors import ConfigError
+from kvtier.hints import RetentionHint
 
 logger = logging.getLogger("vllm.kvtier_connector")
 
@@ -56,6 +57,7 @@ class SaveOp:
     namespace: str
     block_ids: list[int]
     extra_keys: list | None = None
+    hint: RetentionHint | None = None  # the request's retention hint (kv_transfer_params)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class _Track:
     stored_upto: int  # tokens kvtier already holds (or that this connector already asked to store)
     store_limit: int  # store no chunk ending after this token (the request's max_offload_tokens)
     extra_keys: list | None = None  # per block of the prompt
+    hint: RetentionHint | None = None
 
 
 def scheduled_again(scheduler_output, tables: dict[str, list[list[int]]]):
@@ -230,7 +233,8 @@ class SchedulerSide:
             limit = len(tokens) if look.controls.max_store_tokens is None else look.controls.max_store_tokens
             if look.seen_upto is not None:
                 limit = min(limit, look.seen_upto)
-            track = _Track(tokens, look.namespace, list(new.block_ids[0]), look.hit, limit, look.extra_keys)
+            track = _Track(tokens, look.namespace, list(new.block_ids[0]), look.hit, limit, look.extra_keys,
+                           look.controls.hint)
             if new.req_id in self._loads:
                 start, end, _ = self._loads.pop(new.req_id)
                 # the tokens up to the end of the chunk holding ``end``: a chunk's key needs all its tokens (vLLM
@@ -256,7 +260,7 @@ class SchedulerSide:
         if self.can_store and self.link.backend is not None and end > track.stored_upto:
             nb = -(-end // self.block_size)
             meta.saves.append(SaveOp(req_id, track.token_ids[:end], track.namespace, track.block_ids[:nb],
-                                     track.extra_keys))
+                                     track.extra_keys, track.hint))
             track.stored_upto = end
         if track.stored_upto >= last or not self.can_store:
             self._tracks.pop(req_id, None)  # nothing more to store for this prompt

@@ -162,7 +162,7 @@ class WorkerSide:
         stored = 0
         for buf, op in sources:
             stored += self.link.call("store", backend.store_chunks, op.token_ids, self._filler(op, buf), default=0,
-                                     **self.link.op_kw(op))
+                                     hint=op.hint, **self.link.op_kw(op))
         took = time.perf_counter() - started
         self.metrics.inc("kvtier_connector_store_calls_total", len(sources))
         self.metrics.inc("kvtier_connector_stored_chunks_total", stored)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ from typing import Any
 from kvtier.errors import InputError
 from kvtier.l1.arena import Arena, align_up
 from kvtier.l1.policies import make_policy
+from kvtier.hints import MAX_PRIORITY, RetentionHint
+from kvtier.l1.retention import Retention
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ class L1Store:
         shm_name: back the arena with ``/dev/shm/<shm_name>`` so clients can attach it
             (``kvtier.client.dataplane.SharedMapping(shm_name, capacity_bytes)``) and copy through ``offset(key)``.
         replace_shm: unlink a stale ``/dev/shm/<shm_name>`` instead of refusing to start.
+        retention_max_share: share (0..1) of the budget that chunks under a retention hint may hold
+            (``kvtier.l1.retention``); session_ttl_seconds: TTL of a session hint without one; clock: seconds.
 
     Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept
     with the entry and handed back by ``acquire``/``meta``/``on_evict``.
@@ -70,8 +75,10 @@ class L1Store:
     """
 
     def __init__(self, capacity_bytes: int, policy: str = "LRU", shm_name: str | None = None,
-                 *, replace_shm: bool = False):
+                 *, replace_shm: bool = False, retention_max_share: float = 0.5,
+                 session_ttl_seconds: float = 300.0, clock=time.monotonic):
         self._policy = make_policy(policy)
+        self.retention = Retention(capacity_bytes, retention_max_share, session_ttl_seconds, clock)
         self.policy_name = self._policy.name
         self.arena = Arena(capacity_bytes, shm_name, replace=replace_shm)
         self.shm_name = shm_name
@@ -116,18 +123,84 @@ class L1Store:
         return view
 
     def _evict_for(self, nbytes: int, evicted: list) -> int | None:
+        # unprotected chunks (no hint, or an expired one) go first, in policy order; then hinted ones, lowest
+        # priority first (policy order within a priority); a management pin never
         need = align_up(nbytes)
+        now = self.retention.clock() if len(self.retention) else None
+        protected: list[tuple[int, Hashable]] = []
         for victim in self._policy.victims():
             entry = self._entries[victim]
             if entry.pins:
                 continue  # being read: the policy rotates it and offers the next one
-            del self._entries[victim]
-            self._num_chunks -= 1
-            self._policy.remove(victim, evicted=True)
-            evicted.append((victim, entry.meta))
-            if self.arena.free(entry.offset) >= need:
+            rank = None if now is None else self.retention.protection(victim, now)
+            if rank is not None:
+                protected.append((rank, victim))
+                continue
+            if self._evict_one(victim, entry, evicted) >= need:
+                return self.arena.alloc(nbytes)
+        for rank, victim in sorted(protected, key=lambda p: p[0]):
+            entry = self._entries.get(victim)
+            if rank > MAX_PRIORITY or entry is None or entry.pins:
+                continue
+            if self._evict_one(victim, entry, evicted) >= need:
                 return self.arena.alloc(nbytes)
         return None
+
+    def _evict_one(self, victim: Hashable, entry: _Entry, evicted: list) -> int:
+        del self._entries[victim]
+        self._num_chunks -= 1
+        self._policy.remove(victim, evicted=True)
+        self.retention.drop(victim)
+        evicted.append((victim, entry.meta))
+        return self.arena.free(entry.offset)
+
+    # -- retention hints -------------------------------------------------------------------------
+
+    def hint(self, keys: Iterable[Hashable], hint: RetentionHint, *, pinned: bool = False) -> tuple[int, int]:
+        """Put the committed ``keys`` under ``hint`` (``pinned``: never evicted, no expiry; the management API's
+        pin). Returns (keys accepted, keys refused because protected chunks would pass the L1 share). Absent
+        keys are skipped. Mutates the retention table only."""
+        accepted = refused = 0
+        with self._lock:
+            for key in keys:
+                entry = self._visible(key)
+                if entry is None:
+                    continue
+                if self.retention.set(key, hint, self.arena.block_size(entry.offset), pinned=pinned):
+                    accepted += 1
+                else:
+                    refused += 1
+        return accepted, refused
+
+    def unhint(self, keys: Iterable[Hashable]) -> int:
+        """Make ``keys`` ordinary eviction candidates again; returns how many had a hint."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                if self.retention.get(key) is not None:
+                    self.retention.drop(key)
+                    n += 1
+            return n
+
+    def session_keys(self, session_id: str) -> list[Hashable]:
+        """Committed keys whose retention hint names ``session_id``."""
+        with self._lock:
+            return [k for k in self.retention.session_keys(session_id) if self._visible(k) is not None]
+
+    def sessions(self) -> dict[str, tuple[int, int]]:
+        """session_id -> (chunks, bytes) held in L1 under its hints."""
+        with self._lock:
+            return self.retention.sessions()
+
+    def retention_of(self, key: Hashable) -> dict | None:
+        """The hint of ``key`` as a dict (priority, expires_in_seconds, session_id, pinned), None without one."""
+        with self._lock:
+            held = self.retention.get(key)
+            if held is None:
+                return None
+            left = None if held.expires_at is None else max(0.0, held.expires_at - self.retention.clock())
+            return {"priority": held.priority, "expires_in_seconds": left, "session_id": held.session_id,
+                    "pinned": held.pinned}
 
     def commit(self, key: Hashable) -> None:
         """Make a reserved entry visible, unpin it and hand it to the policy.
@@ -279,6 +352,7 @@ class L1Store:
         if entry is None:
             return False
         self._policy.remove(key)
+        self.retention.drop(key)
         self._num_chunks -= 1
         del self._entries[key]
         if entry.pins:

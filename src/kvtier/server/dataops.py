@@ -22,6 +22,7 @@ from collections import deque
 
 from kvtier import protocol as P
 from kvtier.errors import KVTierError
+from kvtier.hints import check_hint
 from kvtier.server.promote import Job
 from kvtier.server.limits import ExpiryLog
 from kvtier.server.session import Lease, Session, check_frames, error_reply, frame_budget, limited_reply
@@ -116,9 +117,10 @@ class DataOps:
         refusal = self.limits.check_leases(session.usage)
         if refusal:
             return limited_reply(self.metrics, msg, *refusal), []
+        hint = check_hint(msg.priority, msg.ttl_seconds, msg.session_id)
         ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                            extra_keys=msg.extra_keys, start=msg.start,
-                                           max_bytes=self.limits.reserve_budget(session.usage))
+                                           max_bytes=self.limits.reserve_budget(session.usage), hint=hint)
         ticket.on_lost = session.count_lost
         if ticket.limited and not ticket.slots:
             return limited_reply(self.metrics, msg, *self.limits.reserved_refusal(session.usage)), []

@@ -1,0 +1,127 @@
+"""The L1 bookkeeping behind retention hints (``kvtier.hints``: ``priority``, ``ttl_seconds``, ``session_id``).
+
+A hint protects a chunk from eviction while it is *live*: until ``ttl_seconds`` after the store that set it
+(no TTL: until the hint is cleared). Under pressure ``L1Store`` evicts unprotected chunks (no hint, or an expired
+one) first, in policy order; only when none is left does it evict protected chunks, lowest ``priority`` first
+(policy order within a priority). A chunk of a live session therefore outlives every unhinted chunk and every
+lower-priority chunk. Protected chunks may hold at most ``max_share`` of L1's bytes
+(``l1_retention_max_share``): a hint past it is refused (the chunk is stored as an ordinary one and the refusal
+is counted), so hints can never starve the cache. A ``session_id`` without a TTL gets ``session_ttl_seconds``.
+
+Not thread-safe on its own: ``L1Store`` calls it under its lock. Times come from ``clock`` (seconds,
+``time.monotonic`` by default; the simulator passes the trace's clock).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from kvtier.errors import InputError
+from kvtier.hints import MAX_PRIORITY, RetentionHint
+
+@dataclass(slots=True)
+class _Held:
+    priority: int
+    expires_at: float | None
+    session_id: str | None
+    nbytes: int
+    pinned: bool = False
+
+
+class Retention:
+    """Live hints of the chunks in one L1: key -> (priority, expiry, session, bytes), and the bytes they hold.
+
+    Args:
+        capacity_bytes: L1's budget; ``max_share`` of it may be held by protected chunks.
+        max_share: 0..1 (0 disables hints: every one is refused).
+        session_ttl_seconds: TTL of a hint with a ``session_id`` and no ``ttl_seconds``.
+    """
+
+    def __init__(self, capacity_bytes: int, max_share: float = 0.5, session_ttl_seconds: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if not 0.0 <= max_share <= 1.0:
+            raise InputError(f"l1_retention_max_share must be between 0 and 1, got {max_share!r}")
+        self.max_bytes = int(capacity_bytes * max_share)
+        self.session_ttl_seconds = session_ttl_seconds
+        self.clock = clock
+        self._held: dict[Hashable, _Held] = {}
+        self._held_bytes = 0
+        self.num_refused = 0
+
+    def set(self, key: Hashable, hint: RetentionHint, nbytes: int, *, pinned: bool = False) -> bool:
+        """Protect ``key`` (``nbytes`` in L1) under ``hint``; a stronger existing hint keeps its priority and the
+        later expiry. Returns False (and counts a refusal) when it would take protected bytes past the share."""
+        now = self.clock()
+        ttl = hint.ttl_seconds
+        if ttl is None and hint.session_id is not None and not pinned:
+            ttl = self.session_ttl_seconds
+        expires = None if ttl is None else now + ttl
+        old = self._held.get(key)
+        if old is None:
+            if self._held_bytes + nbytes > self.max_bytes:
+                self.expire(now)
+                if self._held_bytes + nbytes > self.max_bytes:
+                    self.num_refused += 1
+                    return False
+            self._held[key] = _Held(hint.priority, expires, hint.session_id, nbytes, pinned)
+            self._held_bytes += nbytes
+            return True
+        old.priority = max(old.priority, hint.priority) if self.live(old, now) else hint.priority
+        old.expires_at = None if expires is None or old.pinned else max(expires, old.expires_at or expires)
+        old.session_id = hint.session_id or old.session_id
+        old.pinned = old.pinned or pinned
+        if pinned:
+            old.expires_at = None
+        return True
+
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key``'s hint (evicted, removed, or unpinned)."""
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._held_bytes -= held.nbytes
+
+    def expire(self, now: float | None = None) -> int:
+        """Forget the hints whose TTL passed; returns how many."""
+        now = self.clock() if now is None else now
+        gone = [k for k, h in self._held.items() if not self.live(h, now)]
+        for key in gone:
+            self.drop(key)
+        return len(gone)
+
+    @staticmethod
+    def live(held: _Held, now: float) -> bool:
+        return held.expires_at is None or now < held.expires_at
+
+    def protection(self, key: Hashable, now: float) -> int | None:
+        """None when ``key`` is an ordinary eviction candidate, else its rank (higher: evicted later;
+        a management pin ranks above every priority)."""
+        held = self._held.get(key)
+        if held is None or not self.live(held, now):
+            return None
+        return MAX_PRIORITY + 1 if held.pinned else held.priority
+
+    def get(self, key: Hashable) -> _Held | None:
+        return self._held.get(key)
+
+    def session_keys(self, session_id: str) -> list[Hashable]:
+        """Keys whose hint names ``session_id`` (live or not yet expired away)."""
+        return [k for k, h in self._held.items() if h.session_id == session_id]
+
+    def sessions(self) -> dict[str, tuple[int, int]]:
+        """session_id -> (chunks, bytes) of its hinted chunks in L1."""
+        out: dict[str, tuple[int, int]] = {}
+        for held in self._held.values():
+            if held.session_id is not None:
+                n, b = out.get(held.session_id, (0, 0))
+                out[held.session_id] = (n + 1, b + held.nbytes)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of L1 held by hinted chunks (expired ones until the next ``expire``)."""
+        return self._held_bytes
