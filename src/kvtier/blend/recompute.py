@@ -48,7 +48,7 @@ def _check_kv(layer, hidden, cos, sin):
 
 @torch.inference_mode()
 def blend_prefill(model, input_ids: torch.Tensor, kv: torch.Tensor, reused: torch.Tensor, forced: torch.Tensor,
-                  fraction: float, check_layer: int = 1):
+                  fraction: float, check_layer: int = 1, exact: torch.Tensor | None = None):
     """Prefill ``input_ids`` over the assembled ``kv``, recomputing the forced and the selected tokens.
 
     Args:
@@ -60,6 +60,7 @@ def blend_prefill(model, input_ids: torch.Tensor, kv: torch.Tensor, reused: torc
         forced: ``[T]`` bool, tokens always recomputed (the last token must be one: its logits are returned).
         fraction: share of the reused, non-forced tokens to recompute, in [0, 1].
         check_layer: the layer whose K/V deviation selects the tokens (>= 1).
+        exact: ``[T]`` bool or None, reused tokens whose KV is already exact (a reused prefix): never selected.
 
     Returns:
         ``(logits_last [1, vocab], DynamicCache of all T tokens, num_recomputed)``.
@@ -80,7 +81,8 @@ def blend_prefill(model, input_ids: torch.Tensor, kv: torch.Tensor, reused: torc
         if i == check_layer:
             k, v = _check_kv(layer, hidden, cos, sin)
             deviation = kv_deviation(k, v, cache.keys[i], cache.values[i])
-            rows = select_tokens(deviation, reused, forced, fraction)
+            candidates = reused if exact is None else reused & ~exact
+            rows = select_tokens(deviation, candidates, forced, fraction)
             hidden, cos, sin = hidden[:, rows], cos[:, rows], sin[:, rows]
         cache.rows = rows
         mask = causal[rows][None, None] if len(rows) < T or i < check_layer else causal[None, None]
