@@ -42,3 +42,8 @@ class CodecError(CorruptRecordError):
 
 class UnknownCodecError(ConfigError):
     """A codec name (in the configuration, or in a record written by another kvtier) is not one this kvtier has."""
+
+
+class BlendUnsupportedError(InputError):
+    """A model's position encoding cannot be re-rotated exactly (``kvtier.blend.rope``): blending is refused for
+    it and a connector falls back to prefix reuse."""

@@ -64,6 +64,27 @@ def namespace_of(lora: str | None = None, cache_salt: str | None = None) -> str:
     return hashlib.sha256(cbor2.dumps([lora or None, cache_salt or None], canonical=True)).hexdigest()[:32]
 
 
+SEGMENT_TAG = "segment:"
+SEGMENT_SEED_SUFFIX = "/kvtier-segment-v1"
+
+
+def segment_namespace(namespace: str = "") -> str:
+    """The namespace a segment's chunks are stored under (``kvtier.blend``): ``"segment:" + namespace``.
+
+    This is the segment domain tag: ``namespace_of`` gives ``""`` or hex and ``tenant_namespace`` starts with
+    ``tenant:``, so no prefix chunk's namespace starts with it, and ``KVCache`` also chains a segment's block
+    hashes from another root (``hash_seed + SEGMENT_SEED_SUFFIX``): a segment key never equals a prefix key.
+    """
+    return SEGMENT_TAG + namespace
+
+
+def is_segment_namespace(namespace: str) -> bool:
+    """Whether ``namespace`` (a tenant's included: ``tenant:<t>/segment:...``) is a segment namespace."""
+    if namespace.startswith("tenant:"):
+        namespace = namespace.partition("/")[2]
+    return namespace.startswith(SEGMENT_TAG)
+
+
 def parse_name(name: str) -> tuple[str, bytes]:
     """Split ``ChunkKey.name()`` into (scope, prefix_hash). Raises ValueError if malformed."""
     scope, _, digest = name.partition("-")

@@ -15,7 +15,7 @@ VOCABULARY = ("kvtier.hashing", "kvtier.keys", "kvtier.extra_keys", "kvtier.iden
               "kvtier.tensors", "kvtier.metrics", "kvtier.protocol", "kvtier.shm", "kvtier.config", "kvtier.auth",
               "kvtier.backend", "kvtier.models", "kvtier.codecs", "kvtier.hints")
 UPPER = ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
-         "kvtier.events", "kvtier.demo")
+         "kvtier.events", "kvtier.demo", "kvtier.blend")
 # (importers, the modules they must not import); a name covers its submodules
 RULES = [
     (VOCABULARY, UPPER),
@@ -27,7 +27,9 @@ RULES = [
     (("kvtier.server",), ("kvtier.client", "kvtier.connectors", "kvtier.demo")),
     (("kvtier.client",), ("kvtier.server", "kvtier.l1", "kvtier.l2", "kvtier.cache", "kvtier.events", "kvtier.connectors",
                           "kvtier.demo")),
-    (("kvtier.connectors", "kvtier.demo"), ("kvtier.server",)),  # they reach a server over the protocol only
+    (("kvtier.connectors", "kvtier.demo"), ("kvtier.server",)),
+    (("kvtier.blend",), ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
+                         "kvtier.events", "kvtier.demo")),  # tensors in, tensors out  # they reach a server over the protocol only
 ]
 
 

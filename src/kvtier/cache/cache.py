@@ -22,8 +22,8 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import InputError, KVTierError
 from kvtier.extra_keys import check_extra_keys, num_blocks_of
 from kvtier.hashing import as_token_array, prefix_hashes
-from kvtier.keys import ChunkKey, chunk_layout_id
 from kvtier.hints import RetentionHint
+from kvtier.keys import SEGMENT_SEED_SUFFIX, ChunkKey, chunk_layout_id, is_segment_namespace
 from kvtier.l2.tier import WriteItem
 from kvtier.layout import KVLayout
 from kvtier.tensors import as_numpy, chunk_view, copy_from, join_chunks
@@ -72,7 +72,9 @@ class KVCache:
         """Validate ``tokens`` (and ``extra_keys``) and cut them into chunk refs: full chunks, and the partial
         tail only with ``save_unfull_chunk``. Blocks are hashed in a chain (``hasher``: ``hashing.prefix_hashes``
         or a callable with its signature and results, e.g. the server's ``HashProcess.prefix_hashes``); a chunk's
-        key is the digest of its last block. The refs are memoised. Raises InputError on bad tokens or extra keys
+        key is the digest of its last block. In a segment namespace (``keys.segment_namespace``) the tokens are
+        one document, cut into chunks with its partial tail and chained from the segment root. The refs are
+        memoised. Raises InputError on bad tokens or extra keys
         (and what ``hasher`` raises)."""
         arr, ns, extra, memo_key = self._memo_key(tokens, namespace, extra_keys)
         refs = self._memo.get(memo_key)
@@ -80,8 +82,10 @@ class KVCache:
             return arr, refs
         cfg = self.config
         bs, c = cfg.effective_block_size, cfg.chunk_size
-        end = len(arr) if cfg.save_unfull_chunk else len(arr) // c * c  # tokens that belong to a chunk
-        digests = hasher(arr[:end], bs, cfg.hash_algorithm, cfg.hash_seed, extra, include_partial=True)
+        segment = is_segment_namespace(ns)  # a document's own tokens: stored whole, chained from its own root
+        end = len(arr) if cfg.save_unfull_chunk or segment else len(arr) // c * c  # tokens that belong to a chunk
+        seed = cfg.hash_seed + SEGMENT_SEED_SUFFIX if segment else cfg.hash_seed
+        digests = hasher(arr[:end], bs, cfg.hash_algorithm, seed, extra, include_partial=True)
         blocks = PromptBlocks(bs, digests, None if extra is None else extra[:len(digests)])
         refs = []
         for i, start in enumerate(range(0, end, c)):

@@ -219,6 +219,30 @@ class HFConnector:
             tokens = tokens[:end]
         return int(self.cache.store(tokens, dynamic_cache_to_kv(past, tokens.shape[0])))
 
+    def prefill_segments(self, input_ids, segments, *, fraction: float = 0.15, head_tokens: int = 1,
+                         check_layer: int = 1):
+        """Blended prefill of a prompt marked as ``kvtier.blend.Segment`` s: each document's KV reused wherever it
+        stands (``connectors.hf_blend.prefill_segments``: arguments, returns, raises)."""
+        from kvtier.connectors.hf_blend import prefill_segments
+        return prefill_segments(self, input_ids, segments, fraction=fraction, head_tokens=head_tokens,
+                                check_layer=check_layer)
+
+    @torch.inference_mode()
+    def decode(self, logits, past, num_prompt_tokens: int, max_new_tokens: int = 32, eos_token_id=None) -> list[int]:
+        """Greedy decoding from a prefill's ``(logits, past)``: at most ``max_new_tokens`` new token ids (an eos
+        included); mutates ``past``."""
+        if eos_token_id is None:
+            eos_token_id = self.model.generation_config.eos_token_id
+        stop = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        new = [int(logits.argmax(-1))]
+        while len(new) < max_new_tokens and new[-1] not in stop:
+            length = num_prompt_tokens + len(new)
+            out = self.model(torch.tensor([[new[-1]]]), past_key_values=past,
+                             attention_mask=torch.ones((1, length), dtype=torch.long), use_cache=True)
+            past = out.past_key_values
+            new.append(int(out.logits[0, -1].argmax(-1)))
+        return new
+
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 32, eos_token_id=None):
         """Greedy decoding after a kvtier-backed prefill.
@@ -238,19 +262,10 @@ class HFConnector:
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if eos_token_id is None:
-            eos_token_id = self.model.generation_config.eos_token_id
-        stop = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         ids = self._tokens(input_ids)
         logits, past, stats = self.prefill(ids)
         started = time.perf_counter()
-        new = [int(logits.argmax(-1))]
-        while len(new) < max_new_tokens and new[-1] not in stop:
-            length = ids.shape[1] + len(new)
-            out = self.model(torch.tensor([[new[-1]]]), past_key_values=past,
-                             attention_mask=torch.ones((1, length), dtype=torch.long), use_cache=True)
-            past = out.past_key_values
-            new.append(int(out.logits[0, -1].argmax(-1)))
+        new = self.decode(logits, past, ids.shape[1], max_new_tokens, eos_token_id)
         stats["num_new_tokens"] = len(new)
         stats["decode_seconds"] = time.perf_counter() - started
         return torch.cat([ids, torch.tensor([new])], dim=1), stats

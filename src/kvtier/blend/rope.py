@@ -1,0 +1,84 @@
+"""RoPE re-rotation: move stored K from the positions it was computed at to new ones.
+
+A segment's KV is stored as computed at positions ``0 .. n-1`` (the document alone). Rotary position embedding
+rotates each pair of K's channels by ``position * inv_freq[i]``; rotations compose, so K computed at position
+``p`` and rotated by ``offset`` equals K computed at ``p + offset`` (exact up to floating-point rounding).
+V carries no position and is reused as stored. That holds for RoPE whose frequencies do not depend on the
+sequence length and whose cos/sin are not scaled: ``rope_type`` ``default``, ``linear`` and ``llama3``
+(Llama, SmolLM2, Mistral, Qwen2/3). Anything else is refused with ``BlendUnsupportedError``.
+
+Layout (HF Llama ``rotate_half``): channel ``i`` pairs with ``i + head_dim/2``, ``cos``/``sin`` are
+``cat(freqs, freqs)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.errors import BlendUnsupportedError
+
+EXACT_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopeRotator:
+    """Re-rotates K for one model: ``inv_freq`` ``[head_dim / 2]`` (float64), taken from the model's own rotary
+    module (so rope_theta and rope scaling are the ones the model computes with)."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq.detach().to(torch.float64).cpu()
+
+    @classmethod
+    def for_model(cls, model) -> "RopeRotator":
+        """The rotator of a transformers causal LM (``model.model.rotary_emb``).
+
+        Raises:
+            BlendUnsupportedError: naming the model type, when the model has no rotary module, uses a RoPE whose
+                rotation depends on the sequence length or scales cos/sin (dynamic, YaRN, LongRoPE), mixes local
+                and global rotary embeddings (Gemma-3), or uses sliding-window attention.
+        """
+        config = model.config
+        model_type = getattr(config, "model_type", type(model).__name__)
+        inner = getattr(model, "model", None)
+        rotary = getattr(inner, "rotary_emb", None)
+        if rotary is None or not hasattr(rotary, "inv_freq") or hasattr(inner, "rotary_emb_local"):
+            raise BlendUnsupportedError(
+                f"model type {model_type!r} has no single rotary position embedding kvtier can re-rotate; blending "
+                "needs a Llama-family model (Llama, SmolLM2, Mistral, Qwen2/3); falling back to prefix reuse")
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rope_type not in EXACT_ROPE_TYPES or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+            raise BlendUnsupportedError(
+                f"model type {model_type!r} uses rope_type {rope_type!r}, whose rotation is not a fixed "
+                f"per-position rotation; blending re-rotates only {', '.join(EXACT_ROPE_TYPES)}")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise BlendUnsupportedError(f"model type {model_type!r} uses sliding-window attention; blending needs "
+                                        "full attention on every layer")
+        return cls(rotary.inv_freq)
+
+    def cos_sin(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` ``[len(offsets), head_dim]`` (float64) of rotations by ``offsets`` positions."""
+        freqs = offsets.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def rotate(self, k: torch.Tensor, offset: int) -> torch.Tensor:
+        """K rotated by ``offset`` positions (a new tensor, ``k``'s dtype).
+
+        Args:
+            k: rotated keys ``(..., num_tokens, num_kv_heads, head_dim)`` (kvtier's layout: e.g. ``kv[:, 0]`` of
+                ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``), computed at positions ``p``.
+            offset: positions to add (an int; may be negative).
+
+        Returns:
+            the keys K would have at positions ``p + offset``; ``k`` itself when ``offset`` is 0.
+        """
+        if offset == 0:
+            return k
+        cos, sin = self.cos_sin(torch.tensor([offset]))
+        cos, sin = cos[0, None, :], sin[0, None, :]  # [1, D]: broadcast over heads and tokens
+        k64 = k.to(torch.float64)
+        return (k64 * cos + rotate_half(k64) * sin).to(k.dtype)

@@ -1,0 +1,83 @@
+"""Blending (issue 18) with the real SmolLM2 and a real KVCache: re-rotation, 100 % recompute, segment keys, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.blend import RopeRotator, Segment, segments_from_lengths
+from kvtier.cache import KVCache
+from kvtier.config import build_config
+from kvtier.connectors.hf import HFConnector, dynamic_cache_to_kv
+from kvtier.errors import InputError
+from kvtier.keys import segment_namespace
+from kvtier.models import kv_layout_of, load_smollm2
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, _ = load_smollm2(progress=False)
+    return model
+
+
+def _cache(model, model_id="smol"):
+    return KVCache(build_config({"chunk_size": CHUNK, "l1_size_gb": "256MiB"}), model_id, kv_layout_of(model))
+
+
+def _ids(n, seed):
+    return torch.randint(3, 40000, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def test_rerotated_k_equals_k_at_new_position(smol):
+    doc = _ids(100, 1)
+    alone = dynamic_cache_to_kv(smol(doc, use_cache=True).past_key_values, 100)
+    moved = dynamic_cache_to_kv(smol(doc, position_ids=torch.arange(300, 400)[None], use_cache=True).past_key_values,
+                                100)
+    k = RopeRotator.for_model(smol).rotate(alone[:, 0], 300)
+    assert (k - alone[:, 0]).abs().max() > 1e-2  # the rotation did something
+    torch.testing.assert_close(k, moved[:, 0], atol=2e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_full_recompute_equals_full_prefill_and_blend_reuses(smol):
+    conn = HFConnector(smol, _cache(smol))
+    a, b, q = _ids(80, 2), _ids(70, 3), _ids(10, 4)
+    ids = torch.cat([a, b, q], dim=1)
+    segs = segments_from_lengths([80, 70, 10], ["doc", "doc", "text"])
+    full = smol(ids, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits, _, stats = conn.prefill_segments(ids, segs, fraction=1.0)
+    assert torch.equal(logits, full)
+    conn.prefill_segments(torch.cat([b, a, q], dim=1), segments_from_lengths([70, 80, 10], ["doc", "doc", "text"]))
+    logits, _, stats = conn.prefill_segments(ids, segs, fraction=0.15)
+    assert stats["blended"] and stats["num_segment_hit_tokens"] == 150 and stats["num_segment_stored"] == 0
+    assert stats["num_recomputed_tokens"] < 60
+    assert int(logits.argmax()) == int(full.argmax())
+
+
+def test_segment_keys_differ_from_prefix_keys_and_by_model(smol):
+    cache = _cache(smol)
+    tokens = _ids(CHUNK * 2, 5)[0]
+    _, prefix = cache.chunk_refs(tokens)
+    _, seg = cache.chunk_refs(tokens, segment_namespace(""))
+    assert {r.key for r in prefix}.isdisjoint({r.key for r in seg})
+    assert {r.key.prefix_hash for r in prefix}.isdisjoint({r.key.prefix_hash for r in seg})
+    kv = torch.zeros(kv_layout_of(smol).chunk_shape(len(tokens)))
+    cache.store(tokens, kv, segment_namespace(""))
+    assert cache.lookup(tokens, segment_namespace("")) == len(tokens)
+    assert cache.lookup(tokens) == 0
+    other = KVCache(build_config({"chunk_size": CHUNK}), "other-model", kv_layout_of(smol), tiers=cache.tiers)
+    assert other.lookup(tokens, segment_namespace("")) == 0
+
+
+def test_bad_segments_and_fraction(smol):
+    conn = HFConnector(smol, _cache(smol))
+    ids = _ids(150, 6)
+    with pytest.raises(InputError, match="tile"):
+        conn.prefill_segments(ids, [Segment(0, 80), Segment(90, 150, "text")])
+    with pytest.raises(InputError, match="shorter than one chunk"):
+        conn.prefill_segments(ids, segments_from_lengths([30, 120], ["doc", "text"]))
+    with pytest.raises(InputError, match=r"\[0, 1\]"):
+        conn.prefill_segments(ids, segments_from_lengths([80, 70], ["doc", "text"]), fraction=1.5)
