@@ -16,14 +16,14 @@ import numpy as np
 import xxhash
 
 from kvtier.backend import Fill, Retrieved, TierHits
-from kvtier.cache.tickets import ChunkRef, L1Slot, PromptBlocks, RetrieveTicket, StoreTicket
+from kvtier.cache.prompt_keys import PromptKeys
+from kvtier.cache.tickets import ChunkRef, L1Slot, RetrieveTicket, StoreTicket
 from kvtier.cache.tiers import Tiers
 from kvtier.config import KVTierConfig
 from kvtier.errors import InputError, KVTierError
-from kvtier.extra_keys import check_extra_keys, num_blocks_of
 from kvtier.hashing import as_token_array, prefix_hashes
 from kvtier.hints import RetentionHint
-from kvtier.keys import SEGMENT_SEED_SUFFIX, ChunkKey, chunk_layout_id, is_segment_namespace
+from kvtier.keys import chunk_layout_id
 from kvtier.l2.tier import WriteItem
 from kvtier.layout import KVLayout
 from kvtier.tensors import as_numpy, chunk_view, copy_from, join_chunks
@@ -63,49 +63,18 @@ class KVCache:
             if self._owns_tiers:
                 self.tiers.close()
             raise
-        self._key_layout_id = chunk_layout_id(layout.layout_id, config.chunk_size)
-        self._memo = self.tiers.memo  # (model, layout, namespace, prompt digest, extra keys) -> chunk refs
+        self.keys = PromptKeys(config, model, chunk_layout_id(layout.layout_id, config.chunk_size), namespace,
+                               self.tiers.memo)
 
     # ---- keys --------------------------------------------------------------------------
     def chunk_refs(self, tokens, namespace: str | None = None, *, extra_keys=None,
                    hasher=prefix_hashes) -> tuple[np.ndarray, list[ChunkRef]]:
-        """Validate ``tokens`` (and ``extra_keys``) and cut them into chunk refs: full chunks, and the partial
-        tail only with ``save_unfull_chunk``. Blocks are hashed in a chain (``hasher``: ``hashing.prefix_hashes``
-        or a callable with its signature and results, e.g. the server's ``HashProcess.prefix_hashes``); a chunk's
-        key is the digest of its last block. In a segment namespace (``keys.segment_namespace``) the tokens are
-        one document, cut into chunks with its partial tail and chained from the segment root. The refs are
-        memoised. Raises InputError on bad tokens or extra keys
-        (and what ``hasher`` raises)."""
-        arr, ns, extra, memo_key = self._memo_key(tokens, namespace, extra_keys)
-        refs = self._memo.get(memo_key)
-        if refs is not None:
-            return arr, refs
-        cfg = self.config
-        bs, c = cfg.effective_block_size, cfg.chunk_size
-        segment = is_segment_namespace(ns)  # a document's own tokens: stored whole, chained from its own root
-        end = len(arr) if cfg.save_unfull_chunk or segment else len(arr) // c * c  # tokens that belong to a chunk
-        seed = cfg.hash_seed + SEGMENT_SEED_SUFFIX if segment else cfg.hash_seed
-        digests = hasher(arr[:end], bs, cfg.hash_algorithm, seed, extra, include_partial=True)
-        blocks = PromptBlocks(bs, digests, None if extra is None else extra[:len(digests)])
-        refs = []
-        for i, start in enumerate(range(0, end, c)):
-            stop = min(start + c, end)
-            key = ChunkKey(self.model, self._key_layout_id, ns, digests[num_blocks_of(stop, bs) - 1])
-            refs.append(ChunkRef(i, key, start, stop, blocks))
-        self._memo.put(memo_key, refs, len(digests), extra is not None)
-        return arr, refs
-
-    def _memo_key(self, tokens, namespace, extra_keys) -> tuple:
-        arr = as_token_array(tokens)
-        ns = self.namespace if namespace is None else namespace
-        extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), self.config.effective_block_size))
-        return arr, ns, extra, (self.model, self._key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()),
-                                extra)
+        """``PromptKeys.chunk_refs`` (validated tokens and the prompt's memoised chunk refs)."""
+        return self.keys.chunk_refs(tokens, namespace, extra_keys=extra_keys, hasher=hasher)
 
     def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:
-        """Whether ``chunk_refs`` of this prompt would come from the lookup memo (no hashing). Raises
-        InputError as ``chunk_refs``."""
-        return self._memo.get(self._memo_key(tokens, namespace, extra_keys)[3]) is not None
+        """``PromptKeys.memoised``."""
+        return self.keys.memoised(tokens, namespace, extra_keys=extra_keys)
 
     @property
     def chunk_size(self) -> int:

@@ -1,0 +1,77 @@
+"""PromptKeys: a prompt's tokens -> validated token array and chunk refs (keys), memoised.
+
+One concept: how a cache names the chunks of a prompt. Tokens are validated (``hashing.as_token_array``) and
+hashed block by block in a chain (vLLM's algorithms, ``hashing.prefix_hashes``); a chunk is keyed by its last
+block's digest, with the model, the chunk layout and the namespace (``keys.ChunkKey``). The refs of a prompt are
+kept in the tiers' memo (``cache.memo``), shared by every cache of a process, so a prompt asked about again
+(lookup, then store, then retrieve) is hashed once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from kvtier.cache.memo import LookupMemo
+from kvtier.cache.tickets import ChunkRef, PromptBlocks
+from kvtier.config import KVTierConfig
+from kvtier.extra_keys import check_extra_keys, num_blocks_of
+from kvtier.hashing import as_token_array, prefix_hashes
+from kvtier.keys import SEGMENT_SEED_SUFFIX, ChunkKey, is_segment_namespace
+
+
+class PromptKeys:
+    """Chunk refs of prompts for one (model, chunk layout, default namespace).
+
+    Args:
+        config: chunk and block size, hash algorithm and seed, ``save_unfull_chunk``.
+        model: the weights' identity (part of every key).
+        key_layout_id: ``keys.chunk_layout_id`` of the KV layout and chunk size (part of every key).
+        namespace: the default namespace.
+        memo: the memo the refs are kept in (thread-safe; shared).
+    """
+
+    def __init__(self, config: KVTierConfig, model: str, key_layout_id: str, namespace: str, memo: LookupMemo):
+        self.config, self.model, self.key_layout_id, self.namespace, self.memo = \
+            config, model, key_layout_id, namespace, memo
+
+    def chunk_refs(self, tokens, namespace: str | None = None, *, extra_keys=None,
+                   hasher=prefix_hashes) -> tuple[np.ndarray, list[ChunkRef]]:
+        """Validate ``tokens`` (and ``extra_keys``) and cut them into chunk refs: full chunks, and the partial
+        tail only with ``save_unfull_chunk``. Blocks are hashed in a chain (``hasher``: ``hashing.prefix_hashes``
+        or a callable with its signature and results, e.g. the server's ``HashProcess.prefix_hashes``); a chunk's
+        key is the digest of its last block. In a segment namespace (``keys.segment_namespace``) the tokens are
+        one document, cut into chunks with its partial tail and chained from the segment root. The refs are
+        memoised. Raises InputError on bad tokens or extra keys
+        (and what ``hasher`` raises)."""
+        arr, ns, extra, memo_key = self._memo_key(tokens, namespace, extra_keys)
+        refs = self.memo.get(memo_key)
+        if refs is not None:
+            return arr, refs
+        cfg = self.config
+        bs, c = cfg.effective_block_size, cfg.chunk_size
+        segment = is_segment_namespace(ns)  # a document's own tokens: stored whole, chained from its own root
+        end = len(arr) if cfg.save_unfull_chunk or segment else len(arr) // c * c  # tokens that belong to a chunk
+        seed = cfg.hash_seed + SEGMENT_SEED_SUFFIX if segment else cfg.hash_seed
+        digests = hasher(arr[:end], bs, cfg.hash_algorithm, seed, extra, include_partial=True)
+        blocks = PromptBlocks(bs, digests, None if extra is None else extra[:len(digests)])
+        refs = []
+        for i, start in enumerate(range(0, end, c)):
+            stop = min(start + c, end)
+            key = ChunkKey(self.model, self.key_layout_id, ns, digests[num_blocks_of(stop, bs) - 1])
+            refs.append(ChunkRef(i, key, start, stop, blocks))
+        self.memo.put(memo_key, refs, len(digests), extra is not None)
+        return arr, refs
+
+    def _memo_key(self, tokens, namespace, extra_keys) -> tuple:
+        arr = as_token_array(tokens)
+        ns = self.namespace if namespace is None else namespace
+        extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), self.config.effective_block_size))
+        return arr, ns, extra, (self.model, self.key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()),
+                                extra)
+
+    def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:
+        """Whether ``chunk_refs`` of this prompt would come from the lookup memo (no hashing). Raises
+        InputError as ``chunk_refs``."""
+        return self.memo.get(self._memo_key(tokens, namespace, extra_keys)[3]) is not None
+
