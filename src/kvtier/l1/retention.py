@@ -76,11 +76,12 @@ class Retention:
             old.expires_at = None
         return True
 
-    def drop(self, key: Hashable) -> None:
-        """Forget ``key``'s hint (evicted, removed, or unpinned)."""
+    def drop(self, key: Hashable) -> bool:
+        """Forget ``key``'s hint (evicted, removed, or unpinned); True when it had one."""
         held = self._held.pop(key, None)
         if held is not None:
             self._held_bytes -= held.nbytes
+        return held is not None
 
     def expire(self, now: float | None = None) -> int:
         """Forget the hints whose TTL passed; returns how many."""
@@ -104,6 +105,15 @@ class Retention:
 
     def get(self, key: Hashable) -> _Held | None:
         return self._held.get(key)
+
+    def describe(self, key: Hashable) -> dict | None:
+        """``key``'s hint as a dict (priority, expires_in_seconds, session_id, pinned), None without one."""
+        held = self._held.get(key)
+        if held is None:
+            return None
+        left = None if held.expires_at is None else max(0.0, held.expires_at - self.clock())
+        return {"priority": held.priority, "expires_in_seconds": left, "session_id": held.session_id,
+                "pinned": held.pinned}
 
     def session_keys(self, session_id: str) -> list[Hashable]:
         """Keys whose hint names ``session_id`` (live or not yet expired away)."""

@@ -18,6 +18,10 @@ server does this when a store lease expires while its client may still be writin
 shared memory); the key can be reserved again at once, elsewhere, and the slot is freed only by
 ``free_quarantined`` once the writer is known to be done or gone. A quarantined slot is never handed out.
 
+Retention hints (``kvtier.l1.retention``, set by ``hint`` after a commit): under pressure unhinted and expired
+entries are evicted first, then hinted ones by priority; a management pin never. The hint table is guarded by
+the same lock.
+
 Thread-safe: one lock around every method. ``on_evict`` runs after the lock is released, so it
 may call back into the store. The bytes of a slot are read and written outside the lock; the pin
 is what keeps them in place.
@@ -175,12 +179,7 @@ class L1Store:
     def unhint(self, keys: Iterable[Hashable]) -> int:
         """Make ``keys`` ordinary eviction candidates again; returns how many had a hint."""
         with self._lock:
-            n = 0
-            for key in keys:
-                if self.retention.get(key) is not None:
-                    self.retention.drop(key)
-                    n += 1
-            return n
+            return sum(self.retention.drop(key) for key in keys)
 
     def session_keys(self, session_id: str) -> list[Hashable]:
         """Committed keys whose retention hint names ``session_id``."""
@@ -195,12 +194,7 @@ class L1Store:
     def retention_of(self, key: Hashable) -> dict | None:
         """The hint of ``key`` as a dict (priority, expires_in_seconds, session_id, pinned), None without one."""
         with self._lock:
-            held = self.retention.get(key)
-            if held is None:
-                return None
-            left = None if held.expires_at is None else max(0.0, held.expires_at - self.retention.clock())
-            return {"priority": held.priority, "expires_in_seconds": left, "session_id": held.session_id,
-                    "pinned": held.pinned}
+            return self.retention.describe(key)
 
     def commit(self, key: Hashable) -> None:
         """Make a reserved entry visible, unpin it and hand it to the policy.
