@@ -1,0 +1,88 @@
+"""Blending's refusals (issue 18, bad input): a position encoding kvtier cannot re-rotate falls back to prefix reuse
+with a clear reason; a document stored under another KV layout (dtype) is a miss, never wrong KV. Real
+transformers models (Gemma-3-270M, and Llama built from a real config), a real KVCache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvtier.blend import RopeRotator, segments_from_lengths
+from kvtier.cache import KVCache
+from kvtier.config import build_config
+from kvtier.connectors.hf import HFConnector
+from kvtier.errors import BlendUnsupportedError
+from kvtier.models import kv_layout_of, tiny_model
+
+CHUNK = 16
+
+
+def _cache(model, model_id="tiny", tiers=None):
+    return KVCache(build_config({"chunk_size": CHUNK, "l1_size_gb": "64MiB"}), model_id, kv_layout_of(model),
+                   tiers=tiers)
+
+
+def _ids(n, seed):
+    return torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _dynamic_rope_llama():
+    """A Llama whose RoPE is NTK "dynamic" (its frequencies depend on the sequence length), from a real config."""
+    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.model
+def test_gemma3_is_refused_naming_its_model_type():
+    from kvtier.models import load_gemma3
+
+    model, _ = load_gemma3(progress=False)
+    with pytest.raises(BlendUnsupportedError, match="gemma3"):
+        RopeRotator.for_model(model)
+
+
+@torch.inference_mode()
+def test_unrotatable_rope_falls_back_to_prefix_reuse():
+    model = _dynamic_rope_llama()
+    with pytest.raises(BlendUnsupportedError, match=r"'llama'.*'dynamic'"):
+        RopeRotator.for_model(model)
+    conn = HFConnector(model, _cache(model))
+    ids = torch.cat([_ids(8, 1), _ids(40, 2), _ids(40, 3), _ids(5, 4)], dim=1)
+    segs = segments_from_lengths([8, 40, 40, 5], ["prefix", "doc", "doc", "text"])
+    full = model(ids, use_cache=True).logits[:, -1]
+    logits, _, stats = conn.prefill_segments(ids, segs)
+    assert stats["blended"] is False and "dynamic" in stats["blend_refused"]
+    assert stats["num_hit_tokens"] == 0 and stats["num_stored_chunks"] == 93 // CHUNK
+    torch.testing.assert_close(logits, full)
+    logits, _, stats = conn.prefill_segments(ids, segs)  # the prompt's prefix chunks are reused, exactly
+    assert stats["blended"] is False and stats["num_hit_tokens"] == CHUNK * (93 // CHUNK)
+    torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def test_document_stored_under_another_dtype_is_a_miss():
+    fp32, bf16 = tiny_model(seed=3), tiny_model(seed=3, dtype=torch.bfloat16)
+    a, b, q = _ids(40, 5), _ids(33, 6), _ids(6, 7)
+    ids = torch.cat([a, b, q], dim=1)
+    segs = segments_from_lengths([40, 33, 6], ["doc", "doc", "text"])
+    cache32 = _cache(fp32)
+    conn32 = HFConnector(fp32, cache32)
+    conn32.prefill_segments(ids, segs)
+    _, _, stats = conn32.prefill_segments(ids, segs)
+    assert stats["num_segment_hit_tokens"] == 73  # stored for float32, found again for float32
+
+    conn16 = HFConnector(bf16, _cache(bf16, tiers=cache32.tiers))  # same model id, same tiers, other dtype
+    logits, _, stats = conn16.prefill_segments(ids, segs, fraction=0.0)
+    assert stats["blended"] and stats["num_segment_hit_tokens"] == 0 and stats["num_segment_stored"] == 2
+    # what bf16 gets equals its own computation over an empty cache: no float32 KV came in
+    alone, _, _ = HFConnector(bf16, _cache(bf16)).prefill_segments(ids, segs, fraction=0.0)
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, alone)
+    _, _, stats = conn32.prefill_segments(ids, segs)
+    assert stats["num_segment_hit_tokens"] == 73 and stats["num_segment_stored"] == 0
