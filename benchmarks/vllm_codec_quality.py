@@ -36,6 +36,7 @@ from transformers import AutoTokenizer
 
 from corpus import Corpus
 from harness.metrics import metric_sum
+from harness.service_proc import wait_for
 from harness.vllm import OpenAIServer, ServerProcessForVLLM, model_dir
 
 CHUNK = 256
@@ -64,14 +65,6 @@ def answer(vllm: OpenAIServer, prompt: list[int], new_tokens: int) -> dict:
     return {"tokens": choice["tokens"], "top": choice["top_logprobs"]}
 
 
-def wait_until(predicate, timeout_seconds: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout_seconds:.0f} s waiting for {what}")
-        time.sleep(0.5)
-
-
 def first_token_kl(cold: dict[str, float], restored: dict[str, float]) -> float:
     """KL(cold || restored) over the union of both top lists, each renormalised over that union (a token missing
     from one list gets that list's smallest logprob)."""
@@ -91,7 +84,7 @@ def run_codec(codec: str, prompts: list[list[int]], work: Path, new_tokens: int)
         try:
             cold = [answer(vllm, p, new_tokens) for p in prompts]
             chunks = sum(len(p) // CHUNK for p in prompts)
-            wait_until(lambda: metric_sum(kvtier.metrics_text(), "kvtier_l2_writes_total") >= chunks, 300,
+            wait_for(lambda: metric_sum(kvtier.metrics_text(), "kvtier_l2_writes_total") >= chunks, 300,
                        f"{chunks} chunks written to L2")
             kvtier.clear_l1()
             before = metric_sum(kvtier.metrics_text(), "kvtier_lookup_hit_tokens_total", medium="STORAGE")

@@ -74,4 +74,3 @@ class PromptKeys:
         """Whether ``chunk_refs`` of this prompt would come from the lookup memo (no hashing). Raises
         InputError as ``chunk_refs``."""
         return self.memo.get(self._memo_key(tokens, namespace, extra_keys)[3]) is not None
-

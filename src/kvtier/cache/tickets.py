@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.keys import ChunkKey
 from kvtier.hints import RetentionHint
+from kvtier.keys import ChunkKey
 
 
 @dataclass(slots=True)

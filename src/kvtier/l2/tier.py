@@ -72,7 +72,7 @@ class L2Payload:
         try:
             decode_payload(self._header, self._payload, out=target)
         except CorruptRecordError as exc:
-            self._tier._drop_corrupt(self._adapter, self._name, exc)
+            self._tier.drop_corrupt(self._adapter, self._name, exc)
             return False
         self._tier.metrics.inc("kvtier_codec_seconds_total", time.perf_counter() - started,
                                codec=self._header.encoding, op="decode")
@@ -234,7 +234,7 @@ class L2Tier:
             self._removed_if_gone([name])
             return None
         except CorruptRecordError as exc:
-            self._drop_corrupt(adapter, name, exc)
+            self.drop_corrupt(adapter, name, exc)
             return None
         if self.promote_to_faster and index > 0:
             parts = [memoryview(buf)]
@@ -243,8 +243,9 @@ class L2Tier:
                     self.index.note(faster, [name], True)
         return L2Payload(self, adapter, name, header, payload)
 
-    def _drop_corrupt(self, adapter: L2Adapter, name: str, exc: CorruptRecordError) -> None:
-        """A record that fails verification or decoding: deleted from ``adapter``, counted, announced if gone."""
+    def drop_corrupt(self, adapter: L2Adapter, name: str, exc: CorruptRecordError) -> None:
+        """A record that fails verification or decoding (here, or in ``L2Payload.copy_into``): deleted from
+        ``adapter``, counted, announced if gone."""
         log.warning("L2 adapter %s: dropping bad record %s: %s", adapter.label, name, exc)
         forged = isinstance(exc, RecordAuthError)
         self.metrics.inc("kvtier_l2_auth_failures_total" if forged else "kvtier_corrupt_records_total",
