@@ -14,15 +14,11 @@ Layout (HF Llama ``rotate_half``): channel ``i`` pairs with ``i + head_dim/2``, 
 from __future__ import annotations
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half  # the pairing the model itself rotates with
 
 from kvtier.errors import BlendUnsupportedError
 
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class RopeRotator:
