@@ -67,6 +67,8 @@ class L1Store:
         replace_shm: unlink a stale ``/dev/shm/<shm_name>`` instead of refusing to start.
         retention_max_share: share (0..1) of the budget that chunks under a retention hint may hold
             (``kvtier.l1.retention``); session_ttl_seconds: TTL of a session hint without one; clock: seconds.
+        arena: an arena of ``capacity_bytes`` to use instead of making one (the simulator's
+            ``kvtier.l1.arena.VirtualArena``); None: an ``Arena`` as above.
 
     Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept
     with the entry and handed back by ``acquire``/``meta``/``on_evict``.
@@ -80,11 +82,11 @@ class L1Store:
 
     def __init__(self, capacity_bytes: int, policy: str = "LRU", shm_name: str | None = None,
                  *, replace_shm: bool = False, retention_max_share: float = 0.5,
-                 session_ttl_seconds: float = 300.0, clock=time.monotonic):
+                 session_ttl_seconds: float = 300.0, clock=time.monotonic, arena: Arena | None = None):
         self._policy = make_policy(policy)
         self.retention = Retention(capacity_bytes, retention_max_share, session_ttl_seconds, clock)
         self.policy_name = self._policy.name
-        self.arena = Arena(capacity_bytes, shm_name, replace=replace_shm)
+        self.arena = arena if arena is not None else Arena(capacity_bytes, shm_name, replace=replace_shm)
         self.shm_name = shm_name
         self.on_evict: EvictCallback | None = None
         self._lock = threading.Lock()
