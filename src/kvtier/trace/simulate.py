@@ -155,8 +155,10 @@ class Replay:
         self.outcome.count_lookup(record, self.header.chunk_size, n1, self._l2_prefix(record.chunks, n1))
 
     def _chunk_bytes(self, record: TraceRecord, i: int) -> int:
-        j = record.first + i
-        return _tokens(record, self.header.chunk_size, j, j + 1) * record.bytes_per_token
+        """Bytes of ``record.chunks[i]``: a full chunk's, or the partial last one's."""
+        c = self.header.chunk_size
+        end = (record.first + i + 1) * c
+        return (c if end <= record.tokens else record.tokens - end + c) * record.bytes_per_token
 
     def _promote_from(self, record: TraceRecord, n: int | None = None) -> int:
         """``KVCache.prefetch`` / ``_promote``: copy the leading L2 hits past L1's prefix into L1; returns L1's
