@@ -17,12 +17,18 @@ def header(**fields) -> TraceHeader:
     return TraceHeader(**values)
 
 
+def common(chunks: list[int], session: str = "c:test") -> dict:
+    """The fields every request record of a prompt of whole ``chunks`` has."""
+    return {"session": session, "tokens": len(chunks) * CHUNK, "chunks": chunks, "bytes_per_token": BYTES_PER_TOKEN}
+
+
 def turn(t: float, chunks: list[int], session: str = "c:test", **store) -> list[TraceRecord]:
-    """What a client does for one prompt of whole chunks: lookup, retrieve, store (with ``store`` fields: a hint)."""
-    common = {"session": session, "tokens": len(chunks) * CHUNK, "chunks": chunks, "bytes_per_token": BYTES_PER_TOKEN}
-    return [TraceRecord(t=t, op="lookup", hits=[0, 0], **common),
-            TraceRecord(t=t, op="retrieve", hits=[0, 0], **common),
-            TraceRecord(t=t, op="store", **common, **store)]
+    """What a client does for one prompt of whole chunks, without leases (frames): lookup, retrieve, store (with
+    ``store`` fields: a hint)."""
+    fields = common(chunks, session)
+    return [TraceRecord(t=t, op="lookup", hits=[0, 0], **fields),
+            TraceRecord(t=t, op="retrieve", hits=[0, 0], **fields),
+            TraceRecord(t=t, op="store", **fields, **store)]
 
 
 def write_trace(path: Path, records: list[TraceRecord], **header_fields) -> Path:

@@ -7,11 +7,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from support.traces import CHUNK_BYTES, cycle, header, turn, write_trace
+from support.traces import CHUNK_BYTES, common, cycle, header, turn, write_trace
 
 from kvtier.errors import InputError
 from kvtier.trace.cli import simulate_cmd
-from kvtier.trace.format import TraceError, encode_line, read_trace
+from kvtier.trace.format import TraceError, TraceRecord, encode_line, read_trace
 from kvtier.trace.simulate import SimConfig, simulate
 
 POLICIES = ("LRU", "ARC", "S3FIFO")
@@ -73,6 +73,25 @@ def test_retention_hints_are_replayed(tmp_path):
     expired = turn(1.0, [1], session="s:agent", priority=2, ttl_seconds=0.5) + records[3:]
     out = simulate(write_trace(tmp_path / "e.trace", expired), [SimConfig(4 * CHUNK_BYTES, "LRU")]).results[0][1]
     assert out.l1_hit_tokens == 0
+
+
+def test_leases_hold_slots_until_their_end(tmp_path):
+    # a store under a lease is invisible until its end; a retrieve's pins keep a chunk through the pressure of
+    # another client's store (LRU would evict it); an aborted store leaves nothing
+    records = [*turn(1.0, [1])[:2], TraceRecord(t=1.0, op="store", ticket=1, **common([1]))]
+    records += [TraceRecord(t=1.5, op="lookup", hits=[0, 0], **common([1])),
+                TraceRecord(t=2.0, op="end", ticket=1),
+                TraceRecord(t=2.5, op="retrieve", ticket=2, **common([1])),
+                *turn(3.0, [2, 3]),  # a 2-chunk L1: chunk 1 is the LRU victim, but pinned
+                TraceRecord(t=4.0, op="end", ticket=2),
+                TraceRecord(t=4.5, op="lookup", hits=[0, 0], **common([1])),
+                TraceRecord(t=5.0, op="store", ticket=3, **common([9])),
+                TraceRecord(t=5.5, op="end", ticket=3, ok=False),
+                TraceRecord(t=6.0, op="lookup", hits=[0, 0], **common([9]))]
+    out = simulate(write_trace(tmp_path / "leases.trace", records), [SimConfig(2 * CHUNK_BYTES, "LRU")]).results[0][1]
+    # lookups: t=1 miss, t=1.5 miss (not committed), t=3 miss ([2, 3]), t=4.5 hit (chunk 1 survived), t=6 miss
+    assert out.lookups == 5 and out.l1_hit_tokens == 16
+    assert out.stored_bytes == 2 * CHUNK_BYTES  # chunk 1, and chunk 2 of [2, 3] (3 found no unpinned room)
 
 
 def test_a_truncated_trace_names_the_line(tmp_path):

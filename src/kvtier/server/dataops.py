@@ -42,8 +42,8 @@ class DataOps:
         promoter, lookups: the promotion pool and the lookup prober (``server/promote.py``, ``server/lookup.py``).
         lock: the server's lock (``answer_promotions`` runs outside the request dispatch and takes it).
         send: ``send(identity, reply, frames)``, the server's reply path.
-        trace: the server's ``TraceRecorder`` (``server/trace.py``): told every answered lookup, retrieve and
-            prefetch and every committed store.
+        trace: the server's ``TraceRecorder`` (``server/trace.py``): told every answered lookup and prefetch,
+            every store and retrieve as its slots are handed out, and the end of their leases.
 
     Owns the lease table: ``leases`` (ticket -> ``Lease``), the deadline heap, the ticket counter and the
     recently expired tickets.
@@ -133,11 +133,12 @@ class DataOps:
             del ticket.slots[keep:]
         if not ticket.slots:
             session.cache.commit_store(ticket)
-            self.trace.store(identity, session, ticket, 0)
+            self.trace.store(identity, session, ticket, pending=False)
             self.metrics.observe("kvtier_store_seconds", time.monotonic() - started)
             return P.StoreSlots(id=msg.id, ticket=0, slots=[]), []
         slots = [P.Slot(s.ref.index, s.offset if shm else -1, s.nbytes) for s in ticket.slots]
         tid = self._new_lease("store", identity, session, ticket, shm, slots, started)
+        self.trace.store(identity, session, ticket, pending=True)
         return P.StoreSlots(id=msg.id, ticket=tid, slots=slots), []
 
     def _take_lease(self, msg, kind: str, identity: bytes):
@@ -172,7 +173,6 @@ class DataOps:
             return error_reply(msg, "bad_payload", "shared-memory store takes no payload frames"), []
         stored = self._end_lease(lease, ok=ok)
         if ok:
-            self.trace.store(identity, session, lease.ticket, stored)
             self.metrics.observe("kvtier_store_seconds", time.monotonic() - lease.started)
         return P.StoreDone(id=msg.id, num_stored=stored), []
 
@@ -262,8 +262,8 @@ class DataOps:
             return limited_reply(self.metrics, msg, *refusal), []
         ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                       extra_keys=msg.extra_keys, promote=False, start=msg.start)
-        self.trace.retrieve(identity, session, msg, len(ticket.slots))
         shm = msg.shm and session.shm
+        self.trace.retrieve(identity, session, msg, ticket, pending=shm and bool(ticket.slots))
         if not shm:
             keep = frame_budget(ticket.slots, self.config.server.max_message_bytes)
             refusal = self.limits.check_unread(session.usage, sum(s.nbytes for s in ticket.slots[:keep]))
@@ -294,6 +294,7 @@ class DataOps:
         return P.Ok(id=msg.id), []
 
     def _end_lease(self, lease: Lease, ok: bool, tid: int = 0) -> int:
+        self.trace.end(lease.ticket, ok)
         if lease.kind == "store":
             if not ok and lease.shm and tid:  # expired: the client may still be writing into these slots
                 session = self.sessions.get(lease.identity)

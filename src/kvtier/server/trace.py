@@ -1,6 +1,8 @@
 """TraceRecorder: the server writes what it is asked to a trace file (``kvtier.trace.format``), off the request path.
 
-On (``server.trace_file``), each handled lookup, retrieve, prefetch and committed store becomes one record. The
+On (``server.trace_file``), each handled lookup, retrieve, prefetch and store becomes one record, and so does the end
+of each lease a store or retrieve holds (``end``: committed or aborted, unpinned), so a replay reserves, pins and
+evicts when the server did. The
 request thread only stamps the time and puts a tuple of what it already holds (the request, its cache, the hit
 counts) on a bounded queue (``server.trace_queue_size``); a full queue drops the record and counts it
 (``kvtier_trace_records_dropped_total{reason="queue_full"}``): a request never waits for the trace. The writer
@@ -55,6 +57,8 @@ class TraceRecorder:
         self.full = False  # trace_max_bytes reached: later records are counted, not queued
         self._started = time.monotonic()
         self._scopes: dict[tuple, str] = {}
+        self._open: dict[int, int] = {}  # id() of the ticket of a live lease -> its number in the trace
+        self._next_ticket = 0
         self._queue: queue.Queue = queue.Queue(srv.trace_queue_size)
         self._thread: threading.Thread | None = None
         if not self.enabled:
@@ -80,20 +84,38 @@ class TraceRecorder:
         if self.enabled and isinstance(reply, P.LookupReply):
             self._put(("lookup", identity, session, msg, (reply.num_l1_tokens, reply.num_tokens)))
 
-    def retrieve(self, identity: bytes, session, msg: P.RetrieveBegin, num_chunks: int) -> None:
-        """A retrieve pinned ``num_chunks`` leading chunks in L1 (after any promotion from L2)."""
+    def retrieve(self, identity: bytes, session, msg: P.RetrieveBegin, ticket, pending: bool) -> None:
+        """A retrieve pinned the leading chunks ``ticket`` (``RetrieveTicket``) holds in L1, after any promotion from
+        L2; ``pending``: they stay pinned until ``end(ticket)`` (a shared-memory lease), else released at once."""
         if self.enabled:
-            self._put(("retrieve", identity, session, msg, num_chunks))
+            self._put(("retrieve", identity, session, msg, (self._open_ticket(ticket, pending), len(ticket.slots))))
 
     def prefetch(self, identity: bytes, session, msg: P.Prefetch, num_chunks: int) -> None:
         """A prefetch left ``num_chunks`` leading chunks in L1."""
         if self.enabled:
             self._put(("prefetch", identity, session, msg, num_chunks))
 
-    def store(self, identity: bytes, session, ticket, stored: int) -> None:
-        """A store was committed: ``ticket`` (``StoreTicket``: the prompt's refs and hint), ``stored`` new chunks."""
+    def store(self, identity: bytes, session, ticket, pending: bool) -> None:
+        """A store reserved the slots of ``ticket`` (``StoreTicket``: the prompt's refs, hint and slots); ``pending``:
+        they become visible at ``end(ticket, ok)`` (a lease), else they were committed at once."""
         if self.enabled:
-            self._put(("store", identity, session, ticket, stored))
+            self._put(("store", identity, session, ticket, (self._open_ticket(ticket, pending), len(ticket.slots),
+                                                            ticket.nbytes)))
+
+    def end(self, ticket, ok: bool) -> None:
+        """The lease of a pending store (committed if ``ok``, else aborted) or retrieve (unpinned) ended."""
+        if self.enabled:
+            number = self._open.pop(id(ticket), None)
+            if number is not None:
+                self._put(("end", b"", None, None, (number, ok)))
+
+    def _open_ticket(self, ticket, pending: bool) -> int:
+        """The trace's number for a lease on ``ticket`` (0: none); the ticket object lives as long as its lease."""
+        if not pending:
+            return 0
+        self._next_ticket += 1
+        self._open[id(ticket)] = self._next_ticket
+        return self._next_ticket
 
     def _put(self, item: tuple) -> None:
         if self.full:
@@ -144,6 +166,8 @@ class TraceRecorder:
             self.metrics.set("kvtier_trace_bytes", self.bytes)
 
     def _record(self, t: float, op: str, identity: bytes, session, what, result) -> TraceRecord:
+        if op == "end":
+            return TraceRecord(t=round(t, 6), op=op, ticket=result[0], ok=result[1])
         cache = session.cache
         layout = cache.layout
         if op == "store":
@@ -166,11 +190,12 @@ class TraceRecorder:
             record.hits = [n1, n - n1]
             record.bytes = sum(r.end - r.start for r in refs[:n]) * layout.bytes_per_token
         elif op == "store":
-            record.stored = result
-            record.bytes = sum(s.nbytes for s in what.slots)
+            record.ticket, record.stored, record.bytes = result
             if hint is not None:
                 record.priority, record.ttl_seconds = hint.priority, hint.ttl_seconds
         else:
+            if op == "retrieve":
+                record.ticket, result = result
             record.hits = [result, 0]
             record.bytes = sum(r.end - r.start for r in refs[:result]) * layout.bytes_per_token
         if self.token_ids:

@@ -30,11 +30,11 @@ from kvtier.errors import InputError
 
 FORMAT = "kvtier-trace"
 VERSION = 1
-OPS = ("lookup", "retrieve", "prefetch", "store")
+OPS = ("lookup", "retrieve", "prefetch", "store", "end")
 
 FIELDS = {
     "t": "seconds since the trace started (the server's monotonic clock)",
-    "op": "lookup | retrieve | prefetch | store",
+    "op": "lookup | retrieve | prefetch | store | end (of a store's or a retrieve's lease: see ticket)",
     "session": "'s:' + the store's retention hint session_id, else 'c:' + a digest of the client connection",
     "tokens": "prompt length in tokens",
     "first": "index of the prompt's chunk chunks[0] is (a request's start offset // chunk_size); default 0",
@@ -42,8 +42,11 @@ FIELDS = {
     "bytes_per_token": "KV bytes per token of the request's layout (chunk bytes = tokens in it x this)",
     "hits": "lookup: [leading chunks in L1, chunks after them in L2]; retrieve / prefetch: [chunks L1 held "
             "after the request (promotions included), 0]",
-    "stored": "store: chunks newly stored into L1",
-    "bytes": "KV bytes of the hit chunks (lookup, retrieve, prefetch) or of the newly stored ones (store)",
+    "stored": "store: chunks given an L1 slot (visible at once with ticket 0, else at the end of its lease)",
+    "ticket": "store / retrieve: the lease its slots are held under until the 'end' record with this ticket; "
+              "0: no lease (committed or released at once)",
+    "ok": "end: true when the store was committed (false: aborted, nothing stored); retrieves: true",
+    "bytes": "KV bytes of the hit chunks (lookup, retrieve, prefetch) or of the slots reserved (store)",
     "priority": "store: retention hint priority (0-3)",
     "ttl_seconds": "store: retention hint TTL, null for none",
     "token_ids": "the prompt's token ids, only with server.trace_token_ids",
@@ -77,16 +80,18 @@ class TraceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     t: float
     op: str
-    session: str
-    tokens: int
-    chunks: list[int]
-    bytes_per_token: int
+    session: str = ""
+    tokens: int = 0
+    chunks: list[int] = []
+    bytes_per_token: int = 0
     first: int = 0
     hits: list[int] = []
     stored: int = 0
     bytes: int = 0
     priority: int = 0
     ttl_seconds: float | None = None
+    ticket: int = 0
+    ok: bool = True
     token_ids: list[int] | None = None
 
 

@@ -9,15 +9,16 @@ adapter's ``put`` and ``get``), on chunk digests instead of keys:
 
 - lookup: leading chunks L1 holds (``contains``: no access counted), then the leading ones the L2 index holds
 - retrieve: a prompt continuing into L2-only chunks promotes them (L2 read: ``touch``; L1 ``reserve`` +
-  ``commit``), then the leading L1 chunks are acquired tail first (an access each) and released
+  ``commit``), then the leading L1 chunks are acquired tail first (an access each), and released at the ``end``
+  of the record's lease (at once without one)
 - prefetch: the promotion alone
-- store: every chunk L1 lacks is reserved in order (stopping at the first that gets no room), committed tail
-  first, the prompt put under the record's retention hint, and each new chunk written to L2 (write-through)
+- store: every chunk L1 lacks is reserved in order (stopping at the first that gets no room); at the ``end`` of
+  its lease (at once without one) committed tail first, the prompt put under the record's retention hint, and
+  each new chunk written to L2 (write-through); or aborted
 
 Hit rate is counted as the server's ``kvtier_lookup_hit_tokens_total`` / ``kvtier_lookup_tokens_total``: leading
-tokens found by lookups, by tier, over the tokens looked up. Not modelled: pins held across concurrent requests
-(a retrieve's lease, an L2 write in flight), L2 write-queue drops, codecs (L2 holds the raw KV bytes) and a
-cascade of several L2 adapters (one L2 tier).
+tokens found by lookups, by tier, over the tokens looked up. Not modelled: the pin an L2 write in flight holds,
+L2 write-queue drops, codecs (L2 holds the raw KV bytes) and a cascade of several L2 adapters (one L2 tier).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class Replay:
         self.l2 = None if l2 is None else DiskIndex("/nonexistent", 0, l2, "0" * 8, lambda path: True,
                                                     lambda path, mode, want: None)
         self._ops = {"lookup": self._lookup, "retrieve": self._retrieve, "prefetch": self._promote_from,
-                     "store": self._store}
+                     "store": self._store, "end": self._end}
+        self._leases: dict[int, tuple] = {}  # trace ticket -> ("store", record, reserved) | ("retrieve", pins)
 
     def _l1_evicted(self, evicted: list) -> None:
         self.outcome.l1_evicted_chunks += len(evicted)
@@ -184,12 +186,32 @@ class Replay:
 
     def _retrieve(self, record: TraceRecord) -> None:
         n = self._promote_from(record)
-        l1 = self.l1
+        l1, pins = self.l1, []
         for i in range(n - 1, -1, -1):  # tail first, so the head ends up most recently used
             got = l1.acquire(record.chunks[i])
             if got is not None:
-                l1.release(record.chunks[i], got[2])
+                pins.append((record.chunks[i], got[2]))
                 self.outcome.retrieved_bytes += self._chunk_bytes(record, i)
+        if record.ticket:  # pinned until its lease ends (the client copies through shared memory meanwhile)
+            self._leases[record.ticket] = ("retrieve", pins)
+        else:
+            self._unpin(pins)
+
+    def _unpin(self, pins: list) -> None:
+        for key, offset in pins:
+            self.l1.release(key, offset)
+
+    def _end(self, record: TraceRecord) -> None:
+        lease = self._leases.pop(record.ticket, None)
+        if lease is None:  # its start was not recorded (dropped, or before the trace)
+            return
+        if lease[0] == "retrieve":
+            self._unpin(lease[1])
+        elif record.ok:
+            self._commit(lease[1], lease[2])
+        else:
+            for i, _ in lease[2]:
+                self.l1.abort(lease[1].chunks[i])
 
     def _store(self, record: TraceRecord) -> None:
         l1, chunks = self.l1, record.chunks
@@ -203,6 +225,14 @@ class Replay:
                     continue
                 break
             reserved.append((i, nbytes))
+        if record.ticket:  # reserved (pinned, invisible) until its lease ends
+            self._leases[record.ticket] = ("store", record, reserved)
+        else:
+            self._commit(record, reserved)
+
+    def _commit(self, record: TraceRecord, reserved: list[tuple[int, int]]) -> None:
+        """``KVCache.commit_store``: the reserved chunks become visible, the hint applies, L2 is written."""
+        l1, chunks = self.l1, record.chunks
         for i, _ in reversed(reserved):  # tail committed first: the policy evicts tails before heads
             l1.commit(chunks[i])
         hint = _hint(record)

@@ -36,8 +36,12 @@ def test_the_trace_has_the_requests_made(tmp_path):
         assert server.stop() == 0  # SIGTERM: the server writes what is queued and closes the trace
     header, records = read_trace(path)
     assert (header.chunk_size, header.l1_size_bytes, header.eviction_policy) == (CHUNK, 16 * CHUNK_BYTES, "LRU")
-    recs = [r for _, r in records]
-    assert [r.op for r in recs] == ["lookup", "store", "lookup", "retrieve", "store"]
+    everything = [r for _, r in records]
+    assert [r.op for r in everything] == ["lookup", "store", "end", "lookup", "retrieve", "end", "store", "end"]
+    ends = [r for r in everything if r.op == "end"]
+    recs = [r for r in everything if r.op != "end"]
+    assert [e.ticket for e in ends] == [recs[1].ticket, recs[3].ticket, recs[4].ticket]  # shared memory: leases
+    assert len({e.ticket for e in ends}) == 3 and all(e.ok for e in ends)
     assert [r.tokens for r in recs] == [3 * CHUNK] * 4 + [4 * CHUNK + 3]
     assert [r.hits for r in recs[:4]] == [[0, 0], [], [3, 0], [3, 0]]
     assert recs[1].stored == 3 and recs[1].bytes == 3 * CHUNK_BYTES
