@@ -19,8 +19,8 @@ Speed: the first run's trace tiled (digests re-salted per copy, so copies are ot
 records and simulated once per policy at the middle L1 size; printed as requests/s and seconds against the 60 s
 target, next to the time to only read and parse the same file (the baseline in the same run).
 
-    .venv/bin/python benchmarks/bench_simulate.py [--users 16 --rounds 6 --concurrency 4]
-        [--l1-size-mb 12,24,48 --policies LRU,ARC,S3FIFO --l2-size-mb 0] [--speed-requests 1000000]
+    .venv/bin/python benchmarks/bench_simulate.py [--users 16 --rounds 6 --concurrency 2]
+        [--l1-size-mb 16,32,64 --policies LRU,ARC,S3FIFO --l2-size-mb 0] [--speed-requests 1000000]
         [--save-trace benchmarks/traces/multi_user.trace] [--chart docs/img/simulate_hit_rate.png] [--json]
 """
 
@@ -190,8 +190,8 @@ def main() -> int:
     ap.add_argument("--system-tokens", type=int, default=768)
     ap.add_argument("--context-tokens", type=int, default=1024)
     ap.add_argument("--turn-tokens", type=int, default=96)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--l1-size-mb", default="12,24,48")
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--l1-size-mb", default="16,32,64")
     ap.add_argument("--l2-size-mb", default="0", help="local-disk L2 size per run (0: none)")
     ap.add_argument("--policies", default="LRU,ARC,S3FIFO")
     ap.add_argument("--speed-requests", type=int, default=1_000_000)
