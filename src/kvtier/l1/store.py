@@ -66,8 +66,7 @@ class L1Store:
         replace_shm: unlink a stale ``/dev/shm/<shm_name>`` instead of refusing to start.
         retention_max_share: share (0..1) of the budget that chunks under a retention hint may hold
             (``kvtier.l1.retention``); session_ttl_seconds: TTL of a session hint without one; clock: seconds.
-        arena: an arena of ``capacity_bytes`` to use instead of making one (the simulator's
-            ``kvtier.l1.arena.VirtualArena``); None: an ``Arena`` as above.
+        arena: an arena of ``capacity_bytes`` to use (the simulator's ``l1.arena.VirtualArena``); None: a new one.
 
     Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept
     with the entry and handed back by ``acquire``/``meta``/``on_evict``.
