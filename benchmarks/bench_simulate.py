@@ -245,7 +245,7 @@ def main() -> int:
                                                    for r in runs], "speed": fast, "worst_pp": 100 * worst,
                           "worst_cross_pp": 100 * worst_cross}, indent=2))
     else:
-        print(f"workload: {args.users} users x {args.rounds} rounds = {turns} turns ({3 * turns} requests), "
+        print(f"workload: {args.users} users x {args.rounds} rounds = {turns} turns (lookup, retrieve when something is held, store), "
               f"concurrency {args.concurrency}, chunk {CHUNK} tokens, {LAYOUT.bytes_per_token} bytes/token")
         print("policy  L1 MB  L2 MB   real  (L1 only, /metrics)   simulated  diff pp   from run 1  diff pp   run s")
         for r in runs:

@@ -92,8 +92,8 @@ def _table(sim: Simulation) -> None:
     from rich.table import Table
 
     h = sim.header
-    table = Table(title=f"kvtier simulate: {sim.records} requests, chunk {h.chunk_size} tokens "
-                        f"({sim.seconds:.1f} s, {sim.records * len(sim.results) / max(sim.seconds, 1e-9):,.0f} "
+    table = Table(title=f"kvtier simulate: {sim.requests:,} requests ({sim.records:,} records), chunk {h.chunk_size} "
+                        f"tokens ({sim.seconds:.1f} s, {sim.requests * len(sim.results) / max(sim.seconds, 1e-9):,.0f} "
                         "requests/s over all configurations)")
     for col in ("policy", "L1", "L2", "hit rate", "L1 hit", "L2 hit", "L1 hit bytes", "L2 hit bytes", "stored",
                 "L2 written", "L1 evicted", "L2 evicted"):
@@ -133,7 +133,7 @@ def write_chart(sim: Simulation, path: str) -> None:
     ax.set_xlabel("L1 size (GB)")
     ax.set_ylabel("hit rate (% of looked-up tokens)")
     ax.set_ylim(0, 100)
-    ax.set_title(f"kvtier simulate: {sim.records} requests")
+    ax.set_title(f"kvtier simulate: {sim.requests:,} requests")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

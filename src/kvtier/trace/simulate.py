@@ -274,10 +274,11 @@ class Simulation:
     traced: Outcome
     results: list[tuple[SimConfig, Outcome, float]]
     records: int
+    requests: int  # the records that are not the end of a lease
     seconds: float
 
     def as_dict(self) -> dict:
-        return {"trace": {"records": self.records, "chunk_size": self.header.chunk_size,
+        return {"trace": {"records": self.records, "requests": self.requests, "chunk_size": self.header.chunk_size,
                           "l1_size_bytes": self.header.l1_size_bytes, "eviction_policy": self.header.eviction_policy,
                           "l2": self.header.l2, "traced": self.traced.as_dict()},
                 "seconds": self.seconds,
@@ -294,10 +295,11 @@ def simulate(path: str | Path, configs: list[SimConfig]) -> Simulation:
     header, records = read_trace(path)
     replays = [Replay(header, cfg) for cfg in configs]
     traced = Outcome()
-    count = 0
+    count = requests = 0
     try:
         for _, record in records:
             count += 1
+            requests += record.op != "end"
             if record.op == "lookup":
                 n1, n2 = (record.hits + [0, 0])[:2]
                 traced.count_lookup(record, header.chunk_size, n1, n2)
@@ -307,4 +309,4 @@ def simulate(path: str | Path, configs: list[SimConfig]) -> Simulation:
         for replay in replays:
             replay.close()
     return Simulation(header, traced, [(r.config, r.outcome, r.seconds) for r in replays], count,
-                      time.perf_counter() - started)
+                      requests, time.perf_counter() - started)
