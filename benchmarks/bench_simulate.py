@@ -20,10 +20,14 @@ Speed: the first run's trace (or ``--speed-from``'s) tiled (digests re-salted pe
 L1 size; printed as requests/s and seconds against the 60 s target, next to the time to only read and parse the same
 file (the baseline in the same run).
 
+Recording cost: the round trip of a lookup of 8,192 held tokens with the trace on vs off (two servers, alternating;
+medians of ``--overhead-lookups``).
+
     .venv/bin/python benchmarks/bench_simulate.py [--users 16 --rounds 6 --concurrency 2]
         [--l1-size-mb 16,32,64 --policies LRU,ARC,S3FIFO --l2-size-mb 0] [--speed-requests 1000000]
         [--save-trace benchmarks/traces/multi_user.trace] [--chart docs/img/simulate_hit_rate.png] [--json]
-    .venv/bin/python benchmarks/bench_simulate.py --speed-from benchmarks/traces/multi_user.trace   # speed only
+        [--overhead-lookups 2000]
+    .venv/bin/python benchmarks/bench_simulate.py --speed-from benchmarks/traces/multi_user.trace   # speed + overhead only
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -166,6 +171,32 @@ def speed(tmp: Path, src: Path, requests: int, policies: list[str], l1_bytes: in
     return out
 
 
+def overhead(tmp: Path, lookups: int) -> dict:
+    """Lookup round trip (8,192 tokens, all held) with the trace on vs off: two servers, lookups alternating between
+    them so that load from other processes falls on both; medians."""
+    plan = workload(1, 1, 0, 8192, 0)[0][0][1]
+    servers, clients = [], []
+    try:
+        for on in (False, True):
+            extra = ("--eviction-policy", "LRU", *(("--trace-file", str(tmp / "overhead.trace")) if on else ()))
+            servers.append(ServerProcess(tmp, CHUNK, "64MB", extra=extra))
+            clients.append(Client(servers[-1].url, model="bench-simulate", layout=LAYOUT))
+            clients[-1].store_chunks(plan, no_fill)
+        times: list[list[float]] = [[], []]
+        for _ in range(lookups):
+            for i, client in enumerate(clients):
+                started = time.perf_counter()
+                client.lookup(plan)
+                times[i].append(time.perf_counter() - started)
+    finally:
+        for client in clients:
+            client.close()
+        for server in servers:
+            server.stop()
+    off, on = statistics.median(times[0]), statistics.median(times[1])
+    return {"lookups": lookups, "off_seconds": off, "on_seconds": on, "ratio": on / off}
+
+
 def chart(path: Path, trace: Path, runs: list[dict], policies: list[str], sizes_mb: list[float]) -> None:
     import matplotlib
 
@@ -208,8 +239,11 @@ def main() -> int:
     ap.add_argument("--speed-requests", type=int, default=1_000_000)
     ap.add_argument("--save-trace", type=Path, default=None, help="copy the first run's trace here")
     ap.add_argument("--speed-from", type=Path, default=None,
-                    help="no real runs: only the speed part, tiling this trace (e.g. benchmarks/traces/multi_user.trace)")
+                    help="no real runs: the speed part over this trace (e.g. benchmarks/traces/multi_user.trace) and the "
+                         "recording overhead")
     ap.add_argument("--chart", type=Path, default=None)
+    ap.add_argument("--overhead-lookups", type=int, default=2000,
+                    help="lookups per server for the recording overhead (trace on vs off); 0: skip")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     sizes = [float(s) for s in args.l1_size_mb.split(",")]
@@ -219,9 +253,12 @@ def main() -> int:
     turns = sum(len(r) for r in plan)
     with tempfile.TemporaryDirectory(prefix="bench-simulate-") as tmp_name:
         tmp = Path(tmp_name)
-        if args.speed_from:
-            return report_speed(speed(tmp, args.speed_from, args.speed_requests, policies,
-                                      round(sizes[len(sizes) // 2] * MB)), args.json)
+        if args.speed_from:  # no real runs: the speed part over that trace, and the recording overhead
+            status = report_speed(speed(tmp, args.speed_from, args.speed_requests, policies,
+                                        round(sizes[len(sizes) // 2] * MB)), args.json) if args.speed_requests else 0
+            if args.overhead_lookups:
+                report_overhead(overhead(tmp, args.overhead_lookups))
+            return status
         runs = [real_run(tmp, plan, p, round(s * MB), l2_bytes, args.concurrency) for p in policies for s in sizes]
         first = runs[0]["trace"]
         cross = simulate(first, [SimConfig(r["l1_bytes"], r["policy"], r["l2_bytes"] or None) for r in runs])
@@ -238,11 +275,12 @@ def main() -> int:
             chart(args.chart, first, runs, policies, sizes)
         fast = speed(tmp, first, args.speed_requests, policies, round(sizes[len(sizes) // 2] * MB)) \
             if args.speed_requests else None
+        cost = overhead(tmp, args.overhead_lookups) if args.overhead_lookups else None
     worst = max(abs(r["real"] - r["simulated"]) for r in runs)
     worst_cross = max(abs(r["real"] - r["simulated_from_first"]) for r in runs)
     if args.json:
         print(json.dumps({"turns": turns, "runs": [{k: (str(v) if isinstance(v, Path) else v) for k, v in r.items()}
-                                                   for r in runs], "speed": fast, "worst_pp": 100 * worst,
+                                                   for r in runs], "speed": fast, "overhead": cost, "worst_pp": 100 * worst,
                           "worst_cross_pp": 100 * worst_cross}, indent=2))
     else:
         print(f"workload: {args.users} users x {args.rounds} rounds = {turns} turns (lookup, retrieve when something is held, store), "
@@ -258,8 +296,15 @@ def main() -> int:
         print(f"trace of run 1: {runs[0]['trace_bytes']:,} bytes")
         if fast:
             report_speed(fast, False)
+        if cost:
+            report_overhead(cost)
     ok = worst <= 0.02 and (fast is None or all(f["seconds"] <= 60 for f in fast["policies"].values()))
     return 0 if ok else 1
+
+
+def report_overhead(cost: dict) -> None:
+    print(f"recording: lookup of 8,192 held tokens, median of {cost['lookups']}: trace off "
+          f"{1e3 * cost['off_seconds']:.3f} ms, on {1e3 * cost['on_seconds']:.3f} ms: {cost['ratio']:.2f}x")
 
 
 def report_speed(fast: dict, as_json: bool) -> int:
