@@ -2,16 +2,15 @@
 
 On (``server.trace_file``), each handled lookup, retrieve, prefetch and store becomes one record, and so does the end
 of each lease a store or retrieve holds (``end``: committed or aborted, unpinned), so a replay reserves, pins and
-evicts when the server did. The
-request thread only stamps the time and puts a tuple of what it already holds (the request, its cache, the hit
-counts) on a bounded queue (``server.trace_queue_size``); a full queue drops the record and counts it
-(``kvtier_trace_records_dropped_total{reason="queue_full"}``): a request never waits for the trace. The writer
-thread names the prompt's chunks (``KVCache.chunk_refs``, usually from the lookup memo), digests their keys
-(``format.chunk_digest``), encodes the line and appends it, waking at most every 50 ms with what came meanwhile
-(a wake-up per record took the GIL from the request thread often enough to cost lookups 13 %; batched, 1-2 %).
-The file is bounded: the header and the records
-together never pass ``server.trace_max_bytes``; past it records are dropped and counted (``reason="size_limit"``),
-so the file is always whole lines and a valid trace. ``close`` writes what is queued and closes the file.
+evicts when the server did. The request thread only stamps the time and puts a tuple of what it already holds (the
+request, its cache, the hit counts) on a bounded queue (``server.trace_queue_size``); a full queue drops the record
+and counts it (``kvtier_trace_records_dropped_total{reason="queue_full"}``): a request never waits for the trace. The
+writer thread names the prompt's chunks (``KVCache.chunk_refs``, usually from the lookup memo), digests their keys
+(``format.chunk_digest``), encodes the line and appends it, waking at most every 50 ms with what came meanwhile (a
+wake-up per record took the GIL from the request thread often enough to cost lookups 13 %; batched, 1-2 %). The file
+is bounded: the header and the records together never pass ``server.trace_max_bytes``; past it records are dropped and
+counted (``reason="size_limit"``), so the file is always whole lines and a valid trace. ``close`` writes what is
+queued and closes the file.
 
 Off, every method returns at once (one attribute test).
 """
