@@ -94,6 +94,13 @@ def test_leases_hold_slots_until_their_end(tmp_path):
     assert out.stored_bytes == 2 * CHUNK_BYTES  # chunk 1, and chunk 2 of [2, 3] (3 found no unpinned room)
 
 
+@pytest.mark.parametrize(("medium", "l1_hits", "l2_hits"), [("CPU", 0, 16), ("STORAGE", 16, 0), (None, 0, 0)])
+def test_a_clear_is_replayed(tmp_path, medium, l1_hits, l2_hits):
+    records = turn(1.0, [1]) + [TraceRecord(t=2.0, op="clear", medium=medium), turn(3.0, [1])[0]]
+    out = simulate(write_trace(tmp_path / "c.trace", records), [SimConfig(4 * CHUNK_BYTES, "LRU", 8 * CHUNK_BYTES)])
+    assert (out.results[0][1].l1_hit_tokens, out.results[0][1].l2_hit_tokens) == (l1_hits, l2_hits)
+
+
 def test_a_truncated_trace_names_the_line(tmp_path):
     path = write_trace(tmp_path / "cut.trace", cycle(prompts(2, 2), passes=1))
     data = path.read_bytes()

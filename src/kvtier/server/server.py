@@ -368,6 +368,7 @@ class KVTierServer:
         with self.lock:
             before = self.tiers.l1.num_chunks
             self.tiers.clear(medium, wait=False)
+            self.trace.clear(medium)
             dropped = before - self.tiers.l1.num_chunks
         if wait:
             self.tiers.l2.flush()

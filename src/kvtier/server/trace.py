@@ -111,6 +111,11 @@ class TraceRecorder:
             if number is not None:
                 self._put(("end", b"", None, None, (number, ok)))
 
+    def clear(self, medium: str | None) -> None:
+        """The server dropped every chunk of L1 (``"CPU"``), L2 (``"STORAGE"``) or both (None)."""
+        if self.enabled:
+            self._put(("clear", b"", None, None, medium))
+
     def _open_ticket(self, ticket, pending: bool) -> int:
         """The trace's number for a lease on ``ticket`` (0: none); the ticket object lives as long as its lease."""
         if not pending:
@@ -172,6 +177,8 @@ class TraceRecorder:
     def _record(self, t: float, op: str, identity: bytes, session, what, result) -> TraceRecord:
         if op == "end":
             return TraceRecord(t=round(t, 6), op=op, ticket=result[0], ok=result[1])
+        if op == "clear":
+            return TraceRecord(t=round(t, 6), op=op, medium=result)
         cache = session.cache
         layout = cache.layout
         if op == "store":

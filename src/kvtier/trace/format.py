@@ -30,11 +30,11 @@ from kvtier.errors import InputError
 
 FORMAT = "kvtier-trace"
 VERSION = 1
-OPS = ("lookup", "retrieve", "prefetch", "store", "end")
+OPS = ("lookup", "retrieve", "prefetch", "store", "end", "clear")
 
 FIELDS = {
     "t": "seconds since the trace started (the server's monotonic clock)",
-    "op": "lookup | retrieve | prefetch | store | end (of a store's or a retrieve's lease: see ticket)",
+    "op": "lookup | retrieve | prefetch | store | end (of a store's or a retrieve's lease: see ticket) | clear",
     "session": "'s:' + the store's retention hint session_id, else 'c:' + a digest of the client connection",
     "tokens": "prompt length in tokens",
     "first": "index of the prompt's chunk chunks[0] is (a request's start offset // chunk_size); default 0",
@@ -49,6 +49,7 @@ FIELDS = {
     "bytes": "KV bytes of the hit chunks (lookup, retrieve, prefetch) or of the slots reserved (store)",
     "priority": "store: retention hint priority (0-3)",
     "ttl_seconds": "store: retention hint TTL, null for none",
+    "medium": "clear: CPU (L1), STORAGE (L2), or null for both",
     "token_ids": "the prompt's token ids, only with server.trace_token_ids",
 }
 
@@ -92,6 +93,7 @@ class TraceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     ttl_seconds: float | None = None
     ticket: int = 0
     ok: bool = True
+    medium: str | None = None
     token_ids: list[int] | None = None
 
 

@@ -12,6 +12,7 @@ adapter's ``put`` and ``get``), on chunk digests instead of keys:
   ``commit``), then the leading L1 chunks are acquired tail first (an access each), and released at the ``end``
   of the record's lease (at once without one)
 - prefetch: the promotion alone
+- clear: ``L1Store.clear`` and / or every name forgotten from the L2 index
 - store: every chunk L1 lacks is reserved in order (stopping at the first that gets no room); at the ``end`` of
   its lease (at once without one) committed tail first, the prompt put under the record's retention hint, and
   each new chunk written to L2 (write-through); or aborted
@@ -123,7 +124,7 @@ class Replay:
         self.l2 = None if l2 is None else DiskIndex("/nonexistent", 0, l2, "0" * 8, lambda path: True,
                                                     lambda path, mode, want: None)
         self._ops = {"lookup": self._lookup, "retrieve": self._retrieve, "prefetch": self._promote_from,
-                     "store": self._store, "end": self._end}
+                     "store": self._store, "end": self._end, "clear": self._clear}
         self._leases: dict[int, tuple] = {}  # trace ticket -> ("store", record, reserved) | ("retrieve", pins)
 
     def _l1_evicted(self, evicted: list) -> None:
@@ -242,6 +243,14 @@ class Replay:
             self.outcome.stored_bytes += nbytes
             if self.l2 is not None:
                 self._l2_put(_name(chunks[i]), nbytes)
+
+    def _clear(self, record: TraceRecord) -> None:
+        """``Tiers.clear``: L1's committed chunks (reservations stay), L2's index, or both."""
+        if record.medium in (None, "CPU"):
+            self.l1.clear()
+        if record.medium in (None, "STORAGE") and self.l2 is not None:
+            for name in self.l2.names():
+                self.l2.forget(name)
 
     def _l2_put(self, name: str, nbytes: int) -> None:
         """``LocalDiskAdapter._put_one`` on the index alone: a record already there is touched, else room is made."""

@@ -25,7 +25,7 @@ def kv_for(tokens, seed: int = 0):
 def test_the_trace_has_the_requests_made(tmp_path):
     path = tmp_path / "server.trace"
     first, longer = prompt(0, 3), prompt(0, 4) + [7, 7, 7]  # the second continues the first, with a partial tail
-    with ServerProc(tmp_path, l1=f"{16 * CHUNK_BYTES}B",
+    with ServerProc(tmp_path, l1=f"{16 * CHUNK_BYTES}B", token="admin-secret",
                     extra=("--trace-file", str(path), "--trace-token-ids")) as server, \
             Client(server.url, model="m", layout=LAYOUT) as client:
         assert client.lookup(first) == 0
@@ -33,13 +33,16 @@ def test_the_trace_has_the_requests_made(tmp_path):
         assert client.lookup_tiers(first).num_l1_tokens == 3 * CHUNK
         assert client.retrieve(first)[1] == 3 * CHUNK
         assert client.store(longer, kv_for(longer), hint=RetentionHint(priority=2, session_id="agent-1")) == 1
+        assert client.clear("CPU", admin_token="admin-secret") == 4
         assert server.stop() == 0  # SIGTERM: the server writes what is queued and closes the trace
     header, records = read_trace(path)
     assert (header.chunk_size, header.l1_size_bytes, header.eviction_policy) == (CHUNK, 16 * CHUNK_BYTES, "LRU")
     everything = [r for _, r in records]
-    assert [r.op for r in everything] == ["lookup", "store", "end", "lookup", "retrieve", "end", "store", "end"]
+    assert [r.op for r in everything] == ["lookup", "store", "end", "lookup", "retrieve", "end", "store", "end",
+                                          "clear"]
+    assert everything[-1].medium == "CPU"
     ends = [r for r in everything if r.op == "end"]
-    recs = [r for r in everything if r.op != "end"]
+    recs = [r for r in everything if r.op not in ("end", "clear")]
     assert [e.ticket for e in ends] == [recs[1].ticket, recs[3].ticket, recs[4].ticket]  # shared memory: leases
     assert len({e.ticket for e in ends}) == 3 and all(e.ok for e in ends)
     assert [r.tokens for r in recs] == [3 * CHUNK] * 4 + [4 * CHUNK + 3]
