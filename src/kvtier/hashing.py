@@ -69,6 +69,8 @@ def as_token_array(tokens) -> np.ndarray:
             arr = np.frombuffer(array.array("Q", tokens), dtype=np.int64) if tokens else np.zeros(0, np.int64)
         except (TypeError, OverflowError):
             arr = _as_array_slow(tokens)
+    elif isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype == np.int64:  # the wire's tokens
+        arr = tokens
     else:
         arr = _as_array_slow(tokens)
     if arr.size and arr.min() < 0:

@@ -94,22 +94,32 @@ class KVCache:
 
     def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> TierHits:
         """``lookup`` split by tier (``KVBackend.lookup_tiers``): leading tokens in L1, then in L2 after them.
-        Counts both in ``kvtier_lookup_hit_tokens_total`` by medium (CPU, STORAGE), from ``start``'s chunk on."""
+        Counted in the lookup metrics (``count_lookup``), from ``start``'s chunk on."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+        hits = self.tier_hits(refs, start)
+        self.count_lookup(len(arr), refs, start, hits)
+        return hits
+
+    def tier_hits(self, refs: list[ChunkRef], start: int = 0, *, probe: bool = True) -> TierHits:
+        """The ``TierHits`` of a prompt's ``refs`` (``chunk_refs``) from ``start``'s chunk on, not counted: L1 asked
+        once (one lock), then the L2 indexes once about the chunks after L1's (``L2Tier.lookup``; ``probe``: names
+        past the indexed prefix are probed in the background). Raises InputError for a bad ``start``."""
+        refs = self._from(refs, start)
+        n_l1 = self.l1.leading([r.key for r in refs])
+        n_l2 = self.l2.lookup([r.key for r in refs[n_l1:]], probe=probe) if n_l1 < len(refs) else 0
+        return TierHits(refs[n_l1 + n_l2 - 1].end if n_l1 + n_l2 else 0, refs[n_l1 - 1].end if n_l1 else 0)
+
+    def count_lookup(self, num_tokens: int, refs: list[ChunkRef], start: int, hits: TierHits) -> None:
+        """Count one lookup of a ``num_tokens`` prompt answered ``hits`` (``tier_hits`` of ``refs`` and ``start``):
+        ``kvtier_lookup_hit_tokens_total`` by medium (CPU, STORAGE) from ``start``'s chunk on."""
         refs = self._from(refs, start)
         base = refs[0].start if refs else 0
-        n_l1 = 0
-        while n_l1 < len(refs) and self.l1.contains(refs[n_l1].key):
-            n_l1 += 1
-        n_l2 = self.l2.lookup([r.key for r in refs[n_l1:]]) if n_l1 < len(refs) else 0
-        l1_tokens = refs[n_l1 - 1].end if n_l1 else 0
-        total = refs[n_l1 + n_l2 - 1].end if n_l1 + n_l2 else 0
+        l1_tokens, total = hits.num_l1_tokens, hits.num_tokens
         m = self.metrics
         m.inc("kvtier_lookup_requests_total")
-        m.inc("kvtier_lookup_tokens_total", len(arr))
+        m.inc("kvtier_lookup_tokens_total", num_tokens)
         m.inc("kvtier_lookup_hit_tokens_total", max(0, l1_tokens - base), medium="CPU")
         m.inc("kvtier_lookup_hit_tokens_total", total - max(l1_tokens, base if total else 0), medium="STORAGE")
-        return TierHits(total, l1_tokens)
 
     # ---- store -------------------------------------------------------------------------
     def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None,
@@ -229,11 +239,8 @@ class KVCache:
 
     # ---- retrieve ----------------------------------------------------------------------
     def l1_prefix(self, refs: list[ChunkRef]) -> int:
-        """How many leading ``refs`` L1 holds now (no L2 access)."""
-        n = 0
-        while n < len(refs) and self.l1.contains(refs[n].key):
-            n += 1
-        return n
+        """How many leading ``refs`` L1 holds now (no L2 access; one lock)."""
+        return self.l1.leading([r.key for r in refs])
 
     def prefetch(self, tokens, namespace: str | None = None, *, extra_keys=None, wait: bool = True,
                  start: int = 0) -> int:

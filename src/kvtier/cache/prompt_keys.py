@@ -67,7 +67,7 @@ class PromptKeys:
         arr = as_token_array(tokens)
         ns = self.namespace if namespace is None else namespace
         extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), self.config.effective_block_size))
-        return arr, ns, extra, (self.model, self.key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(arr.tobytes()),
+        return arr, ns, extra, (self.model, self.key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(np.ascontiguousarray(arr)),
                                 extra)
 
     def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:

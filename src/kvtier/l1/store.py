@@ -68,14 +68,13 @@ class L1Store:
             (``kvtier.l1.retention``); session_ttl_seconds: TTL of a session hint without one; clock: seconds.
         arena: an arena of ``capacity_bytes`` to use (the simulator's ``l1.arena.VirtualArena``); None: a new one.
 
-    Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept
-    with the entry and handed back by ``acquire``/``meta``/``on_evict``.
+    Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept with the entry
+    and handed back by ``acquire``/``meta``/``on_evict``.
 
     Attributes:
-        arena: the ``Arena`` holding the bytes. shm_name: as given.
-        on_evict: None or a callable receiving ``[(key, meta), ...]`` of evicted entries, called
-            without the lock held after the ``reserve`` that evicted them. Exceptions it raises are
-            logged, not propagated (the reservation already succeeded).
+        arena: the ``Arena`` holding the bytes. shm_name: as given. retention: the hint table.
+        on_evict: None or a callable receiving ``[(key, meta), ...]`` of evicted entries, called without the lock
+            after the ``reserve`` that evicted them; what it raises is logged, not propagated.
     """
 
     def __init__(self, capacity_bytes: int, policy: str = "LRU", shm_name: str | None = None,
@@ -92,8 +91,6 @@ class L1Store:
         self._removed: dict[int, _Entry] = {}  # arena offset -> entry removed while pinned, freed by its last release
         self._num_chunks = 0  # committed entries in _entries
         self._quarantine = Quarantine(self.arena)
-
-    # -- writing ---------------------------------------------------------------------------------
 
     def reserve(self, key: Hashable, nbytes: int, meta: Any = None) -> memoryview | None:
         """Allocate a pinned, invisible slot of ``nbytes`` bytes for ``key`` and return its view.
@@ -158,8 +155,6 @@ class L1Store:
         self.retention.drop(victim)
         evicted.append((victim, entry.meta))
         return self.arena.free(entry.offset)
-
-    # -- retention hints -------------------------------------------------------------------------
 
     def hint(self, keys: Iterable[Hashable], hint: RetentionHint, *, pinned: bool = False) -> tuple[int, int]:
         """Put the committed ``keys`` under ``hint`` (``pinned``: never evicted, no expiry; the management API's
@@ -249,8 +244,6 @@ class L1Store:
         with self._lock:
             return self._quarantine.nbytes
 
-    # -- reading ---------------------------------------------------------------------------------
-
     def acquire(self, key: Hashable, count_access: bool = True) -> tuple[memoryview, Any, int] | None:
         """Pin a committed entry and (unless ``count_access`` is False, e.g. for an internal L2 write)
         count an access; returns (view of its bytes, meta, arena offset of its slot) or None.
@@ -290,8 +283,17 @@ class L1Store:
 
     def contains(self, key: Hashable) -> bool:
         """True when ``key`` is committed and not removed. Does not count an access."""
+        return self.leading((key,)) == 1
+
+    def leading(self, keys: Iterable[Hashable]) -> int:
+        """How many of ``keys``, from the first, are committed (``contains`` of each, under one lock)."""
+        n = 0
         with self._lock:
-            return self._visible(key) is not None
+            for key in keys:
+                if self._visible(key) is None:
+                    break
+                n += 1
+        return n
 
     def meta(self, key: Hashable) -> Any:
         """The meta of a committed entry, None when absent."""
@@ -394,6 +396,5 @@ class L1Store:
                 log.exception("L1 on_evict callback failed for %d evicted entries", len(evicted))
 
     def __repr__(self) -> str:
-        return (f"L1Store({self.policy_name}, {self._num_chunks} chunks, "
-                f"{self.arena.used_bytes}/{self.capacity_bytes} bytes)")
+        return f"L1Store({self.policy_name}, {self._num_chunks} chunks, {self.arena.used_bytes}/{self.capacity_bytes} bytes)"
 

@@ -230,8 +230,15 @@ class DataOps:
         for identity, reply, out in replies:
             self._send(identity, reply, out)
 
+    def lookup(self, identity, session, msg, payload):
+        """A ``Lookup``, answered now or deferred for a probe of a shared L2 (``LookupProber.answer``: None), recorded
+        in the trace."""
+        reply = self.lookups.answer(identity, session, msg)
+        self.trace.lookup(identity, session, msg, reply)
+        return reply, []
+
     def lookup_reply(self, identity, session, msg, started: float = 0.0):
-        """``LookupProber.reply`` (the answer from L1 and the indexes, now), recorded in the trace."""
+        """``LookupProber.reply`` (the answer from L1 and the indexes after a probe), recorded in the trace."""
         reply, out = self.lookups.reply(identity, session, msg, started)
         self.trace.lookup(identity, session, msg, reply)
         return reply, out

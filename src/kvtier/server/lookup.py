@@ -5,7 +5,8 @@ The request thread answers a ``Lookup`` from L1 and the L2 adapters' in-memory i
 kvtier server wrote into the same Redis, bucket or container is unknown here until I/O finds it, so the first
 lookup of a prompt stored through another node would miss and only a later one (after the background probe,
 ``l2.index``) would hit: a router and an engine would recompute a prompt the fleet holds. So a lookup is
-*deferred* when all of these hold:
+*deferred* when all of these hold (``answer`` resolves the prompt and asks L1 and the indexes once, then either
+answers or starts the probe):
 
 - some adapter's index may lag (``L2Adapter.index_may_lag``: Redis, S3, Azure Blob; not local_disk or memory,
   whose writes this process sees);
@@ -58,24 +59,28 @@ class LookupProber:
         self.enabled = timeout_seconds > 0 and self.l2.index_may_lag
         self._stuck: list[Job] = []  # probes answered by their deadline whose worker has not returned yet
 
-    def defer(self, identity: bytes, session, msg: P.Lookup) -> bool:
-        """Start a probe for ``msg`` when its indexes' answer may be short; True: answer it later (``reply``)."""
-        if not self.enabled or msg.start < 0:  # a bad start: the reply's lookup raises the clear error
-            return False
+    def answer(self, identity: bytes, session, msg: P.Lookup) -> P.LookupReply | None:
+        """The reply to ``msg`` now, or None when a probe was started (then ``reply`` answers it later). The prompt
+        is resolved once (``chunk_refs``, memoised), L1 and the indexes are asked once; the answer is counted in
+        the lookup metrics. Raises InputError on bad input."""
         cache = session.cache
-        _, refs = cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                   extra_keys=msg.extra_keys)
-        refs = refs[msg.start // cache.chunk_size:]
-        n = cache.l1_prefix(refs)
-        if n < len(refs):
-            n += self.l2.lookup([r.key for r in refs[n:]], probe=False)
-        if n >= len(refs):
-            return False
+        arr, refs = cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
+                                     extra_keys=msg.extra_keys)
+        hits = cache.tier_hits(refs, msg.start, probe=not self.enabled)  # validates start
+        rest = [r.key for r in refs[msg.start // cache.chunk_size:] if r.end > hits.num_tokens]  # not held
+        if self.enabled and rest:
+            if self._probe(identity, session, msg, rest[:PROBE_NAMES]):
+                return None
+            hits = cache.tier_hits(refs, msg.start)  # the probe skipped: the index's own background probe then
+        cache.count_lookup(len(arr), refs, msg.start, hits)
+        return P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens)
+
+    def _probe(self, identity: bytes, session, msg: P.Lookup, keys: list) -> bool:
+        """Ask the adapters about ``keys`` on the pool; False when a stuck probe or a full pool skips it."""
         self._stuck = [job for job in self._stuck if not job.finished]
         if self._stuck:
             self.metrics.inc("kvtier_lookup_probes_skipped_total", reason="stuck")
             return False
-        keys = [r.key for r in refs[n:n + PROBE_NAMES]]
         now = time.monotonic()
         job = Job(identity, msg, session, now, now + self.timeout_seconds)
         if not self.promoter.submit(job, lambda: self.l2.probe(keys)):
@@ -85,8 +90,8 @@ class LookupProber:
         return True
 
     def reply(self, identity: bytes, session, msg: P.Lookup, started: float = 0.0) -> tuple[P.LookupReply, list]:
-        """The answer from L1 and the indexes now (counted in the lookup metrics); the promotion pool's reply
-        signature (``identity`` and ``started`` unused)."""
+        """The answer from L1 and the indexes after a probe (counted in the lookup metrics); the promotion pool's
+        reply signature (``identity`` and ``started`` unused)."""
         hits = session.cache.lookup_tiers(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                           extra_keys=msg.extra_keys, start=msg.start)
         return P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens), []

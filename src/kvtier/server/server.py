@@ -137,7 +137,7 @@ class KVTierServer:
         self.data = DataOps(config, self.metrics, self.tiers, self.sessions, self.limits, self.quarantine, self.promoter,
                             self.lookups, self.lock, self._send, self.trace)
         self._handlers = {P.Ping: self._on_ping, P.Bye: self._on_bye, P.Stats: self._on_stats, P.Clear: self._on_clear,
-                          P.Flush: self.flushes.on_flush, P.Lookup: self._on_lookup, P.StoreBegin: self.data.store_begin,
+                          P.Flush: self.flushes.on_flush, P.Lookup: self.data.lookup, P.StoreBegin: self.data.store_begin,
                           P.StoreCommit: self.data.store_commit, P.RetrieveBegin: self.data.retrieve_begin,
                           P.RetrieveEnd: self.data.retrieve_end, P.Prefetch: self.data.prefetch}
         self.metrics.set("kvtier_connected_clients", 0)
@@ -165,9 +165,13 @@ class KVTierServer:
         while not self.stopping.is_set():
             self.heartbeat = time.monotonic()
             # woken at a deferred request's deadline; not waiting at all while requests wait for their turn
-            if poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)):
+            ready = dict(poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)))
+            # only what is readable: an empty pipe or socket read costs an exception, several per request
+            if self.sock in ready:
                 self._receive()
+            if self.promoter.fileno() in ready:
                 self.data.answer_promotions(self.promoter.take_ready())
+            if self.prehash.fileno() in ready:
                 self._answer_hashed(self.prehash.take_ready())
             for frames in self.turns.next_round():  # then the socket is read again: a new request waits one round
                 self._dispatch(frames)
@@ -184,7 +188,7 @@ class KVTierServer:
     def _receive(self) -> None:
         """Move requests from the socket into their principal's turn (``server/turns.py``) until none is left or
         the turns are full; one past its principal's bounds is answered at once (``Error(limit_exceeded)``)."""
-        while not self.turns.full:
+        while not self.turns.full and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again to raise
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -260,7 +264,6 @@ class KVTierServer:
             log.exception("request %s failed", type(msg).__name__)
             return error_reply(msg, "internal", f"{type(exc).__name__}: {exc}"), []
 
-
     def _answer_hashed(self, jobs: list[Job], timed_out: bool = False) -> None:
         """Handle requests whose long prompt the hashing worker has put in the memo (``server/prehash.py``)."""
         for job in jobs:
@@ -331,9 +334,6 @@ class KVTierServer:
         if refusal:
             return error_reply(msg, "unauthorized", refusal), []
         return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium, wait=False)), []
-
-    def _on_lookup(self, identity, session, msg, payload):  # deferred only to probe a shared L2 (server/lookup.py)
-        return (None, []) if self.lookups.defer(identity, session, msg) else self.data.lookup_reply(identity, session, msg)
 
     # ---- leases and sessions -------------------------------------------------------------------
     def _expire(self) -> None:
