@@ -177,7 +177,10 @@ class AdminHTTP:
     so a port in use is a ConfigError at startup, not a log line in a thread."""
 
     def __init__(self, server, telemetry: Telemetry, host: str, port: int):
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP; with
+        # Nagle on, a keep-alive client waited out its delayed ACK (~40 ms) for every response's body
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                  socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((host, port))
