@@ -189,6 +189,14 @@ class Management:
             raise ManageError(400, f"'tokens' / 'extra_keys': {exc}") from exc
         return cache, namespace, refs
 
+    def memoised(self, target: Target, tokens, extra_keys=None) -> bool:
+        """Whether ``prompt_refs`` of this prompt comes from the memo (no hashing). Raises as ``prompt_refs``."""
+        namespace, caches = self.caches_of(target)
+        limits = self.server.limits
+        if len(caches) != 1 or (limits.enabled and len(tokens) > limits.max_prompt_tokens):
+            return False
+        return caches[0].memoised(as_token_array(tokens), namespace, extra_keys=extra_keys)
+
     def _hash(self, *args, **kwargs) -> list[bytes]:
         with self._hash_lock:
             try:
