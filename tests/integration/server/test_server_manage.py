@@ -152,6 +152,13 @@ def test_tenants_are_scoped_as_their_clients_are(tmp_path):
             assert call(server, "lookup", {"model": "m", "tenant": "team-b", "tokens": prompt}).status_code == 404
             rows = httpx.get(f"{server.admin}/cache/sessions", headers=AUTH).json()["sessions"]
             assert [(r["session_id"], r["tenant"], r["num_chunks"]) for r in rows] == [("s", "team-a", 2)]
+            scoped = {"model": "m", "tenant": "team-a", "session_id": "s"}
+            assert call(server, "pin", scoped).json()["pinned"] == 2
+            assert call(server, "unpin", scoped).json()["unpinned"] == 2
+            hints = [c["retention"] for c in call(server, "lookup", {"model": "m", "tenant": "team-a",
+                                                                      "tokens": prompt}).json()["chunks"]]
+            assert all(not h["pinned"] and h["session_id"] == "s" for h in hints)  # still the session's
+            assert call(server, "pin", {"model": "m", "session_id": "s"}).status_code == 404  # not the tenant's
             gone = call(server, "delete", {"model": "m", "tenant": "team-a", "tokens": prompt}).json()
             assert gone["deleted"]["CPU"] == 2 and gone["remaining"] == 0 and tenant.lookup(prompt) == 0
 
