@@ -168,10 +168,11 @@ class L2Tier:
         names = [k.name() for k in keys]
         return self.index.held(names, probe) if self.index_lookups else self.index.probe_now(names)
 
-    def holders(self, keys: Sequence[ChunkKey]) -> list[tuple[str, list[bool]]]:
+    def holders(self, keys: Sequence[ChunkKey], names: Sequence[str] | None = None) -> list[tuple[str, list[bool]]]:
         """(adapter label, which ``keys`` its in-memory index holds) per adapter in cascade order (no I/O; all
-        False while a ``clear_async`` is pending). For the management API's lookup."""
-        names = [k.name() for k in keys]
+        False while a ``clear_async`` is pending). ``names``: their ``name()``s when the caller has them. For the
+        management API's lookup."""
+        names = [k.name() for k in keys] if names is None else list(names)
         clearing = self._writes.clearing
         held = self.index.held_each(names) if names and not clearing else [[False] * len(names)] * len(self.adapters)
         return [(adapter.label, [bool(h) for h in hits]) for adapter, hits in zip(self.adapters, held)]

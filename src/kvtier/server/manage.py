@@ -167,9 +167,10 @@ class Management:
                                    f"('model', 'namespace', 'tenant' name it as the engines' sessions do){known}")
         return namespace, caches
 
-    def prompt_refs(self, target: Target, tokens, extra_keys=None) -> tuple[object, str, list]:
-        """(the cache, its namespace, the prompt's chunk refs) as the target's clients key them. Raises ManageError: a layout to
-        choose (400), a prompt over ``server.max_prompt_tokens`` (400), bad tokens or extra keys (400)."""
+    def prompt_refs(self, target: Target, tokens, extra_keys=None, *, memo_only: bool = False) -> tuple | None:
+        """(the cache, its namespace, the prompt's chunk refs) as the target's clients key them (``memo_only``: None
+        unless the refs are memoised, nothing hashed). Raises ManageError: a layout to choose (400), a prompt over
+        ``server.max_prompt_tokens`` (400), bad tokens or extra keys (400)."""
         namespace, caches = self.caches_of(target)
         if len(caches) > 1:
             layouts = ", ".join(sorted(c.layout.layout_id for c in caches))
@@ -182,20 +183,14 @@ class Management:
         cache = caches[0]
         try:
             arr = as_token_array(tokens)
+            if memo_only and not cache.memoised(arr, namespace, extra_keys=extra_keys):
+                return None
             long = len(arr) >= self.server.config.server.hash_offload_min_tokens
             _, refs = cache.chunk_refs(arr, namespace, extra_keys=extra_keys,
                                        hasher=self._hash if long else prefix_hashes)
         except InputError as exc:
             raise ManageError(400, f"'tokens' / 'extra_keys': {exc}") from exc
         return cache, namespace, refs
-
-    def memoised(self, target: Target, tokens, extra_keys=None) -> bool:
-        """Whether ``prompt_refs`` of this prompt comes from the memo (no hashing). Raises as ``prompt_refs``."""
-        namespace, caches = self.caches_of(target)
-        limits = self.server.limits
-        if len(caches) != 1 or (limits.enabled and len(tokens) > limits.max_prompt_tokens):
-            return False
-        return caches[0].memoised(as_token_array(tokens), namespace, extra_keys=extra_keys)
 
     def _hash(self, *args, **kwargs) -> list[bytes]:
         with self._hash_lock:
@@ -213,18 +208,24 @@ class Management:
                 if k.model == target.model and k.namespace == namespace and k.layout_id in layouts]
 
     # ---- reads -------------------------------------------------------------------------------------
-    def lookup(self, target: Target, tokens, extra_keys=None) -> dict:
+    def lookup(self, target: Target, tokens, extra_keys=None, *, memo_only: bool = False) -> dict | None:
         """Per chunk of the prompt: index, token range, hash, whether L1 holds it, the L2 adapters whose index holds
-        it, its retention hint; and the leading tokens a lookup would answer (all of it, then L1's part)."""
-        cache, namespace, refs = self.prompt_refs(target, tokens, extra_keys)
+        it, its retention hint; and the leading tokens a lookup would answer (all of it, then L1's part).
+        ``memo_only``: None unless the prompt's refs are memoised (then no hashing, no I/O: quick)."""
+        found = self.prompt_refs(target, tokens, extra_keys, memo_only=memo_only)
+        if found is None:
+            return None
+        cache, namespace, refs = found
         keys = [r.key for r in refs]
+        scope = keys[0].scope if keys else ""  # one cache: one scope (a name's hex is half a lookup's work)
+        names = [f"{scope}-{k.prefix_hash.hex()}" for k in keys]
         in_l1 = [self.l1.contains(k) for k in keys]
-        holders = self.server.tiers.l2.holders(keys)
+        holders = self.server.tiers.l2.holders(keys, names)
         n_l1 = _leading(in_l1)
         in_l2 = [any(hits[i] for _, hits in holders) for i in range(len(keys))]
         n = n_l1 + _leading(in_l2[n_l1:])
         chunks = [{"index": r.index, "start": r.start, "end": r.end, "hash": r.key.prefix_hash.hex(),
-                   "name": r.key.name(), "l1": in_l1[i], "l2": [label for label, hits in holders if hits[i]],
+                   "name": names[i], "l1": in_l1[i], "l2": [label for label, hits in holders if hits[i]],
                    "retention": self.l1.retention_of(r.key) if in_l1[i] else None} for i, r in enumerate(refs)]
         return {"model": target.model, "namespace": shown_namespace(namespace),
                 "layout_id": cache.layout.layout_id, "chunk_size": cache.chunk_size, "num_prompt_tokens": len(tokens),

@@ -126,9 +126,8 @@ class ManageRoutes:
                 return _error(400, f"the body is not JSON: {exc}")
             target = Target(req.model, req.namespace, req.tenant, req.layout_id, admin)
             try:
-                if not mutation and self._quick(target, req):  # no hashing, no I/O: no thread hop
-                    answer = operation(target, req)
-                else:
+                answer = self._quick(target, req) if not mutation else None  # no hashing, no I/O: no thread hop
+                if answer is None:
                     answer = await asyncio.to_thread(operation, target, req)
                 return Response(msgspec.json.encode(answer), media_type="application/json")
             except ManageError as exc:
@@ -150,15 +149,12 @@ class ManageRoutes:
             parts.append(part)
         return b"".join(parts)
 
-    def _quick(self, target: Target, req: CacheRequest) -> bool:
-        """Whether a lookup of ``req`` is answered from the memo (a prompt asked about before): about 0.1 ms of
-        work, done on the event loop; anything else (hashing, tokenizing, L2 I/O) runs on a worker thread."""
+    def _quick(self, target: Target, req: CacheRequest) -> dict | None:
+        """The answer to a lookup of a prompt asked about before (its refs memoised): about 0.2 ms of work, done on
+        the event loop; None for anything else (hashing, tokenizing: a worker thread). Raises as ``lookup``."""
         if req.tokens is None or req.text is not None or req.session_id is not None:
-            return False
-        try:
-            return self.manage.memoised(target, req.tokens, req.extra_keys)
-        except KVTierError:  # the operation answers it, with the reason
-            return False
+            return None
+        return self.manage.lookup(target, req.tokens, req.extra_keys, memo_only=True)
 
     # ---- operations (on a worker thread, or the loop when quick) -------------------------------
     def _tokens(self, req: CacheRequest) -> list[int]:
