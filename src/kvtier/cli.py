@@ -1,4 +1,4 @@
-"""``kvtier`` command line: server | status | cache | auth | events | demo.
+"""``kvtier`` command line: server | status | cache | auth | events | demo | simulate.
 
 Subcommands live next to what they drive and are imported only when used, so ``kvtier --help``
 stays fast and a light install does not need torch or the server extras.
@@ -21,6 +21,7 @@ _COMMANDS = {
     "auth": ("kvtier.server.cli:auth", "secret files: add a tenant or an event subscriber and write its credential file"),
     "events": ("kvtier.events.cli:events", "subscribe to KV cache events"),
     "demo": ("kvtier.demo.cli:demo", "multi-round QA on a real model, showing TTFT with kvtier"),
+    "simulate": ("kvtier.trace.cli:simulate_cmd", "replay a server's trace at other L1 / L2 sizes and policies"),
 }
 
 

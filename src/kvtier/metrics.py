@@ -69,6 +69,11 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                ("adapter", "codec")),
     MetricSpec("kvtier_l2_raw_bytes_written_total", "counter", "KV bytes written to L2 before the codec.",
                ("adapter", "codec")),
+    MetricSpec("kvtier_trace_records_total", "counter", "Requests written to the trace file (server.trace_file)."),
+    MetricSpec("kvtier_trace_records_dropped_total", "counter", "Requests left out of the trace: queue_full (the "
+               "writer fell behind; requests never wait for it), size_limit (server.trace_max_bytes reached), error.",
+               ("reason",)),
+    MetricSpec("kvtier_trace_bytes", "gauge", "Bytes written to the trace file, header included.", unit="By"),
     MetricSpec("kvtier_l2_compression_ratio", "gauge", "Raw over written bytes since start, per adapter and codec.",
                ("adapter", "codec")),
     MetricSpec("kvtier_codec_seconds_total", "counter", "CPU seconds spent in codecs.", ("codec", "op")),

@@ -78,3 +78,19 @@ def test_auth_tenant_port_out_of_range(tmp_path):
 
 def test_status_timeout_must_be_positive():
     usage_error(kvtier("status", "--admin-url", "http://127.0.0.1:1", "--timeout-seconds", "-1"), "--timeout-seconds")
+
+
+def test_simulate_a_truncated_trace_is_one_line_naming_it(tmp_path):
+    trace = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "multi_user.trace"
+    cut = tmp_path / "cut.trace"
+    data = trace.read_bytes()
+    cut.write_bytes(data[: data.index(b"\n", data.index(b"\n") + 1) + 30])  # the header, a record, a piece
+    line = one_line_error(kvtier("simulate", "--trace", str(cut), "--l1-size-gb", "1"))
+    assert str(cut) in line and "line 3 is cut short" in line
+
+
+def test_server_trace_file_in_a_missing_folder_is_one_line(tmp_path):
+    res = kvtier("server", "--l1-size-gb", "0.001", "--eviction-policy", "LRU", "--port", "0", "--admin-port", "0",
+                 "--trace-file", str(tmp_path / "nope" / "x.trace"))
+    line = one_line_error(res)
+    assert "--trace-file" in line and str(tmp_path / "nope" / "x.trace") in line

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.client.dataplane import SharedMapping
 from kvtier.errors import ConfigError, InputError, KVTierError
-from kvtier.l1.arena import ALIGN_BYTES, Arena, align_up
+from kvtier.l1.arena import ALIGN_BYTES, Arena, VirtualArena, align_up
 
 
 def _check_invariants(arena: Arena, live: dict[int, int]) -> None:
@@ -190,3 +190,18 @@ def test_shm_create_refuses_existing_and_attach_checks(shm_name):
         SharedMapping(shm_name, 1 << 16)
     with pytest.raises(ConfigError, match="invalid shm_name"):
         Arena(4096, shm_name="../etc/passwd")
+
+
+def test_a_virtual_arena_allocates_as_a_real_one_without_memory():
+    real, virtual = Arena(64 * 100), VirtualArena(64 * 100)
+    for arena in (real, virtual):
+        a, b, c = arena.alloc(100), arena.alloc(64), arena.alloc(1000)
+        arena.free(b)
+        assert (a, b, c) == (0, 128, 192) and arena.alloc(1) == 128  # first fit into the hole
+        assert arena.alloc(64 * 100) is None
+        arena.free(a)
+        assert arena.free_blocks() == [(0, 128), (1216, 64 * 100 - 1216)]
+    real.close()
+    huge = VirtualArena(10**15)  # a petabyte: only offsets
+    assert huge.alloc(10**14) == 0 and huge.used_bytes == 10**14
+    assert huge.view(0, 10**14).nbytes == 0  # nothing behind it

@@ -15,12 +15,15 @@ VOCABULARY = ("kvtier.hashing", "kvtier.keys", "kvtier.extra_keys", "kvtier.iden
               "kvtier.tensors", "kvtier.metrics", "kvtier.protocol", "kvtier.shm", "kvtier.config", "kvtier.auth",
               "kvtier.backend", "kvtier.models", "kvtier.codecs", "kvtier.hints")
 UPPER = ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
-         "kvtier.events", "kvtier.demo", "kvtier.blend")
+         "kvtier.events", "kvtier.demo", "kvtier.blend", "kvtier.trace")
 # (importers, the modules they must not import); a name covers its submodules
 RULES = [
     (VOCABULARY, UPPER),
     (("kvtier.l1", "kvtier.l2"), ("kvtier.cache", "kvtier.server", "kvtier.client", "kvtier.connectors", "kvtier.events",
-                                  "kvtier.demo")),
+                                  "kvtier.demo", "kvtier.trace")),
+    # a trace is replayed through L1 and L2 themselves; the server writes one (server/trace.py imports trace.format)
+    (("kvtier.trace",), ("kvtier.cache", "kvtier.server", "kvtier.client", "kvtier.connectors", "kvtier.events",
+                         "kvtier.demo")),
     (("kvtier.events",), ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
                           "kvtier.demo")),
     (("kvtier.cache",), ("kvtier.server", "kvtier.client", "kvtier.connectors", "kvtier.demo")),

@@ -152,6 +152,11 @@ class ServerConfig(_Section):
     max_inflight_requests_per_principal: int = Field(256, gt=0)
     max_unread_reply_bytes_per_principal: int = Field(64 << 20, gt=0)
     max_reserved_fraction_all_clients: float = Field(0.75, gt=0, le=1)  # of L1, every client together
+    # request trace for `kvtier simulate` (server/trace.py, kvtier.trace.format); None: off
+    trace_file: str | None = None
+    trace_max_bytes: SizeBytes = Field(1 << 30, gt=0)  # the file stops growing here (later records dropped, counted)
+    trace_token_ids: Bool = False  # records carry the prompts' token ids (else chunk digests only)
+    trace_queue_size: int = Field(65536, gt=0)  # records waiting for the writer thread; more are dropped, counted
 
 
 class ConnectorConfig(_Section):

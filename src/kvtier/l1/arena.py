@@ -88,7 +88,10 @@ class Arena:
             # A creator that exits (or drops the arena) without unlink() must not leave the file behind.
             self._finalizer = weakref.finalize(self, _unlink_if_creator, shm_path(shm_name), os.getpid(), inode)
         self._buf = memoryview(self._mmap)
-        usable = capacity_bytes // ALIGN_BYTES * ALIGN_BYTES
+        self._init_allocator()
+
+    def _init_allocator(self) -> None:
+        usable = self.capacity_bytes // ALIGN_BYTES * ALIGN_BYTES
         self._free_offsets: list[int] = [0]
         self._free_sizes: dict[int, int] = {0: usable}
         self._used: dict[int, int] = {}
@@ -254,3 +257,32 @@ class Arena:
     def __repr__(self) -> str:
         where = f"shm={self.shm_name!r}" if self.shm_name else "anonymous"
         return f"Arena({self.capacity_bytes} bytes, {where}, used={self._used_bytes})"
+
+
+class VirtualArena(Arena):
+    """The allocator of ``Arena`` over no memory at all: offsets, first fit, coalescing and fragmentation as in a
+    real arena of ``capacity_bytes``, but nothing is mapped, so any size costs only the bookkeeping.
+
+    For the trace simulator (``kvtier.trace.simulate``), which replays eviction through ``L1Store`` at sizes larger
+    than the machine. ``view`` returns an empty memoryview: there are no bytes to copy. An anonymous ``mmap``
+    is lazy too (pages are backed when first written), but reserving the address space of a size larger than
+    RAM + swap is refused under the kernel's default overcommit heuristic, and tests of large sizes would depend
+    on the host's settings.
+    """
+
+    _EMPTY = memoryview(b"")
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = _check_capacity(capacity_bytes)
+        self.shm_name = None
+        self._init_allocator()
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """An empty view: no memory is behind the offsets (which the allocator alone hands out, in range)."""
+        return self._EMPTY
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return f"VirtualArena({self.capacity_bytes} bytes, used={self._used_bytes})"

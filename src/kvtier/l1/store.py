@@ -13,18 +13,16 @@ and not yet released) are never evicted. ``remove`` of a pinned entry hides it a
 slot at the last ``release``; its key can be reserved again at once, in another slot (a pin is released by
 key *and* offset, so the old slot's readers and the new one's never release each other's pins).
 
-Quarantine: ``quarantine(key)`` takes a reservation out of the key space without freeing its slot (the
-server does this when a store lease expires while its client may still be writing into the slot through
-shared memory); the key can be reserved again at once, elsewhere, and the slot is freed only by
-``free_quarantined`` once the writer is known to be done or gone. A quarantined slot is never handed out.
+Quarantine (``kvtier.l1.quarantine``): ``quarantine(key)`` takes a reservation out of the key space without
+freeing its slot, which ``free_quarantined`` frees once its late writer is known to be done or gone; the key
+can be reserved again at once, elsewhere.
 
 Retention hints (``kvtier.l1.retention``, set by ``hint`` after a commit): under pressure unhinted and expired
-entries are evicted first, then hinted ones by priority; a management pin never. The hint table is guarded by
-the same lock.
+entries are evicted first, then hinted ones by priority; a management pin never.
 
-Thread-safe: one lock around every method. ``on_evict`` runs after the lock is released, so it
-may call back into the store. The bytes of a slot are read and written outside the lock; the pin
-is what keeps them in place.
+Thread-safe: one lock around every method (it guards the hint table and the quarantine too). ``on_evict``
+runs after the lock is released, so it may call back into the store. The bytes of a slot are read and written
+outside the lock; the pin is what keeps them in place.
 """
 
 from __future__ import annotations
@@ -38,8 +36,9 @@ from typing import Any
 
 from kvtier.errors import InputError
 from kvtier.l1.arena import Arena, align_up
-from kvtier.l1.policies import make_policy
 from kvtier.hints import MAX_PRIORITY, RetentionHint
+from kvtier.l1.policies import make_policy
+from kvtier.l1.quarantine import Quarantine
 from kvtier.l1.retention import Retention
 
 log = logging.getLogger(__name__)
@@ -67,6 +66,7 @@ class L1Store:
         replace_shm: unlink a stale ``/dev/shm/<shm_name>`` instead of refusing to start.
         retention_max_share: share (0..1) of the budget that chunks under a retention hint may hold
             (``kvtier.l1.retention``); session_ttl_seconds: TTL of a session hint without one; clock: seconds.
+        arena: an arena of ``capacity_bytes`` to use (the simulator's ``l1.arena.VirtualArena``); None: a new one.
 
     Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept
     with the entry and handed back by ``acquire``/``meta``/``on_evict``.
@@ -80,20 +80,18 @@ class L1Store:
 
     def __init__(self, capacity_bytes: int, policy: str = "LRU", shm_name: str | None = None,
                  *, replace_shm: bool = False, retention_max_share: float = 0.5,
-                 session_ttl_seconds: float = 300.0, clock=time.monotonic):
+                 session_ttl_seconds: float = 300.0, clock=time.monotonic, arena: Arena | None = None):
         self._policy = make_policy(policy)
         self.retention = Retention(capacity_bytes, retention_max_share, session_ttl_seconds, clock)
         self.policy_name = self._policy.name
-        self.arena = Arena(capacity_bytes, shm_name, replace=replace_shm)
+        self.arena = arena if arena is not None else Arena(capacity_bytes, shm_name, replace=replace_shm)
         self.shm_name = shm_name
         self.on_evict: EvictCallback | None = None
         self._lock = threading.Lock()
         self._entries: dict[Hashable, _Entry] = {}
         self._removed: dict[int, _Entry] = {}  # arena offset -> entry removed while pinned, freed by its last release
         self._num_chunks = 0  # committed entries in _entries
-        self._quarantined: dict[int, int] = {}  # token -> arena offset of a quarantined slot
-        self._quarantined_bytes = 0
-        self._next_token = 1
+        self._quarantine = Quarantine(self.arena)
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -106,7 +104,10 @@ class L1Store:
 
         Raises InputError for an unhashable key or a non-positive / non-int ``nbytes``.
         """
-        _check_key(key)
+        try:
+            hash(key)
+        except TypeError:
+            raise InputError(f"L1 keys must be hashable, got {type(key).__name__}") from None
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise InputError(f"reserve needs a positive int number of bytes, got {nbytes!r}")
         if align_up(nbytes) > self.arena.capacity_bytes // 64 * 64:
@@ -235,27 +236,18 @@ class L1Store:
             if entry is None or entry.committed:
                 return None
             del self._entries[key]
-            token = self._next_token
-            self._next_token += 1
-            self._quarantined[token] = entry.offset
-            self._quarantined_bytes += self.arena.block_size(entry.offset)
-            return token
+            return self._quarantine.hold(entry.offset)
 
     def free_quarantined(self, token: int) -> bool:
         """Free the slot of a ``quarantine`` token; False when the token is unknown (already freed)."""
         with self._lock:
-            offset = self._quarantined.pop(token, None)
-            if offset is None:
-                return False
-            self._quarantined_bytes -= self.arena.block_size(offset)
-            self.arena.free(offset)
-            return True
+            return self._quarantine.free(token)
 
     @property
     def quarantined_bytes(self) -> int:
         """Bytes (64-aligned) in quarantined slots: allocated, unreadable, waiting for their writer to be gone."""
         with self._lock:
-            return self._quarantined_bytes
+            return self._quarantine.nbytes
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -330,8 +322,6 @@ class L1Store:
                     touched += 1
         return touched
 
-    # -- removal ---------------------------------------------------------------------------------
-
     def remove(self, key: Hashable) -> bool:
         """Delete a committed entry; False when absent. Not reported through ``on_evict``.
 
@@ -368,8 +358,6 @@ class L1Store:
         with self._lock:
             return [k for k, e in self._entries.items() if e.committed]
 
-    # -- sizes -----------------------------------------------------------------------------------
-
     @property
     def used_bytes(self) -> int:
         """Bytes allocated in the arena (committed, reserved, quarantined and removed-but-pinned; 64-aligned)."""
@@ -392,8 +380,7 @@ class L1Store:
         with self._lock:
             self._entries.clear()
             self._removed.clear()
-            self._quarantined.clear()
-            self._quarantined_bytes = 0
+            self._quarantine.clear()
             self._num_chunks = 0
             self.arena.close()
             self.arena.unlink()
@@ -410,9 +397,3 @@ class L1Store:
         return (f"L1Store({self.policy_name}, {self._num_chunks} chunks, "
                 f"{self.arena.used_bytes}/{self.capacity_bytes} bytes)")
 
-
-def _check_key(key: Hashable) -> None:
-    try:
-        hash(key)
-    except TypeError:
-        raise InputError(f"L1 keys must be hashable, got {type(key).__name__}") from None

@@ -73,14 +73,22 @@ def _adapter_spec(value: str) -> dict:
 @click.option("--kv-events-topic", default=None, help="Event topic [default: kv-events].")
 @click.option("--kv-events-encoding", type=click.Choice(["vllm", "vllm-legacy", "sglang"]), default=None,
               help="Event wire encoding [default: vllm].")
+@click.option("--trace-file", type=click.Path(dir_okay=False), default=None,
+              help="Record every lookup / retrieve / prefetch / store to this file (JSON lines, replayed by "
+                   "kvtier simulate) [default: off].")
+@click.option("--trace-max-bytes", default=None,
+              help="The trace file stops growing at this size, e.g. '1GB'; later requests are counted, not "
+                   "recorded [default: 1GiB].")
+@click.option("--trace-token-ids/--no-trace-token-ids", default=None,
+              help="Trace records carry the prompts' token ids [default: off: chunk digests only].")
 @click.option("--event-block-size", type=int, default=None, hidden=True)  # removed: says to use --block-size
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
               help="Server log verbosity [default: INFO].")
 def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chunk_size, block_size, hash_algorithm,
            hash_seed, l2_adapters, config_path, admin_token, allow_unauthenticated_admin, auth, auth_secret_file,
            lease_seconds, promote_timeout_seconds, shared_memory, enable_kv_events,
-           kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_encoding, event_block_size,
-           log_level) -> None:
+           kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_encoding, trace_file,
+           trace_max_bytes, trace_token_ids, event_block_size, log_level) -> None:
     """Run the kvtier cache server: ZMQ requests on --port, admin HTTP on --admin-port."""
     if event_block_size is not None:
         raise ConfigError("--event-block-size was removed: use --block-size (the engine's block size); hashes "
@@ -88,7 +96,8 @@ def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chun
     srv = {"host": host, "port": port, "admin_host": admin_host, "admin_port": admin_port,
            "admin_token": admin_token, "lease_seconds": lease_seconds, "shared_memory": shared_memory,
            "promote_timeout_seconds": promote_timeout_seconds,
-           "allow_unauthenticated_admin": allow_unauthenticated_admin, "auth": auth, "auth_secret_file": auth_secret_file}
+           "allow_unauthenticated_admin": allow_unauthenticated_admin, "auth": auth, "auth_secret_file": auth_secret_file,
+           "trace_file": trace_file, "trace_max_bytes": trace_max_bytes, "trace_token_ids": trace_token_ids}
     events = {"endpoint": kv_events_endpoint, "replay_endpoint": kv_events_replay_endpoint,
               "topic": kv_events_topic, "encoding": kv_events_encoding}
     overrides = {"l1_size_gb": l1_size_gb, "eviction_policy": eviction_policy, "chunk_size": chunk_size,

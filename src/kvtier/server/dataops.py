@@ -42,16 +42,18 @@ class DataOps:
         promoter, lookups: the promotion pool and the lookup prober (``server/promote.py``, ``server/lookup.py``).
         lock: the server's lock (``answer_promotions`` runs outside the request dispatch and takes it).
         send: ``send(identity, reply, frames)``, the server's reply path.
+        trace: the server's ``TraceRecorder`` (``server/trace.py``): told every answered lookup and prefetch,
+            every store and retrieve as its slots are handed out, and the end of their leases.
 
     Owns the lease table: ``leases`` (ticket -> ``Lease``), the deadline heap, the ticket counter and the
     recently expired tickets.
     """
 
     def __init__(self, config, metrics, tiers, sessions: dict[bytes, Session], limits, quarantine, promoter, lookups,
-                 lock, send) -> None:
+                 lock, send, trace) -> None:
         self.config, self.metrics, self.tiers, self.sessions = config, metrics, tiers, sessions
         self.limits, self.quarantine, self.promoter, self.lookups = limits, quarantine, promoter, lookups
-        self.lock, self._send = lock, send
+        self.lock, self._send, self.trace = lock, send, trace
         self.leases: dict[int, Lease] = {}
         # (deadline, ticket) of every lease, ended ones too until their deadline: expiry never scans all leases
         self._lease_deadlines: list[tuple[float, int]] = []
@@ -131,10 +133,12 @@ class DataOps:
             del ticket.slots[keep:]
         if not ticket.slots:
             session.cache.commit_store(ticket)
+            self.trace.store(identity, session, ticket, pending=False)
             self.metrics.observe("kvtier_store_seconds", time.monotonic() - started)
             return P.StoreSlots(id=msg.id, ticket=0, slots=[]), []
         slots = [P.Slot(s.ref.index, s.offset if shm else -1, s.nbytes) for s in ticket.slots]
         tid = self._new_lease("store", identity, session, ticket, shm, slots, started)
+        self.trace.store(identity, session, ticket, pending=True)
         return P.StoreSlots(id=msg.id, ticket=tid, slots=slots), []
 
     def _take_lease(self, msg, kind: str, identity: bytes):
@@ -217,7 +221,7 @@ class DataOps:
                     continue
                 if job.joined and not timed_out and self._promote_later(job.identity, job.session, job.msg, job):
                     continue  # the promotion it waited for left part of its prompt in L2 only: read that now
-                handler = {P.RetrieveBegin: self._retrieve_reply, P.Lookup: self.lookups.reply}.get(
+                handler = {P.RetrieveBegin: self._retrieve_reply, P.Lookup: self.lookup_reply}.get(
                     type(job.msg), self._prefetch_reply)
                 try:
                     replies.append((job.identity, *handler(job.identity, job.session, job.msg, job.started)))
@@ -225,6 +229,12 @@ class DataOps:
                     replies.append((job.identity, error_reply(job.msg, "bad_request", str(exc)), []))
         for identity, reply, out in replies:
             self._send(identity, reply, out)
+
+    def lookup_reply(self, identity, session, msg, started: float = 0.0):
+        """``LookupProber.reply`` (the answer from L1 and the indexes, now), recorded in the trace."""
+        reply, out = self.lookups.reply(identity, session, msg, started)
+        self.trace.lookup(identity, session, msg, reply)
+        return reply, out
 
     def prefetch(self, identity, session, msg, payload):
         self.metrics.inc("kvtier_prefetch_requests_total")
@@ -236,6 +246,7 @@ class DataOps:
         _, refs = session.cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                            extra_keys=msg.extra_keys)
         n = session.cache.l1_prefix(refs)
+        self.trace.prefetch(identity, session, msg, n)
         return P.PrefetchReply(id=msg.id, num_tokens=refs[n - 1].end if n else 0), []
 
     def retrieve_begin(self, identity, session, msg, payload):
@@ -252,6 +263,7 @@ class DataOps:
         ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
                                       extra_keys=msg.extra_keys, promote=False, start=msg.start)
         shm = msg.shm and session.shm
+        self.trace.retrieve(identity, session, msg, ticket, pending=shm and bool(ticket.slots))
         if not shm:
             keep = frame_budget(ticket.slots, self.config.server.max_message_bytes)
             refusal = self.limits.check_unread(session.usage, sum(s.nbytes for s in ticket.slots[:keep]))
@@ -282,6 +294,7 @@ class DataOps:
         return P.Ok(id=msg.id), []
 
     def _end_lease(self, lease: Lease, ok: bool, tid: int = 0) -> int:
+        self.trace.end(lease.ticket, ok)
         if lease.kind == "store":
             if not ok and lease.shm and tid:  # expired: the client may still be writing into these slots
                 session = self.sessions.get(lease.identity)

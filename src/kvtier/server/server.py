@@ -54,6 +54,7 @@ from kvtier.server.session import (
     limited_reply,
     scoped_namespace,
 )
+from kvtier.server.trace import TraceRecorder
 from kvtier.server.turns import MAX_QUEUED, NEW_CONNECTIONS, Turns
 from kvtier.shm import hold_lock, reap_stale_shm
 from kvtier.zmq_context import Context
@@ -109,8 +110,14 @@ class KVTierServer:
         else:
             shm_name = None
         try:
+            self.trace = TraceRecorder(config, self.metrics)  # a trace file that cannot be made: before the L1
+        except BaseException:
+            self._undo_sockets(created)
+            raise
+        try:
             self.tiers = Tiers(config, metrics=self.metrics, shm_name=shm_name, auth=self.keyring, index_lookups=True)
         except BaseException:
+            self.trace.close()
             self._undo_sockets(created)
             raise
         self.shm_name = shm_name
@@ -130,7 +137,7 @@ class KVTierServer:
         self.quarantine = Quarantine(self.tiers.l1, self.metrics)
         self.flushes = Flushes(self.tiers.l2, self._send)
         self.data = DataOps(config, self.metrics, self.tiers, self.sessions, self.limits, self.quarantine, self.promoter,
-                            self.lookups, self.lock, self._send)
+                            self.lookups, self.lock, self._send, self.trace)
         self._handlers = {P.Ping: self._on_ping, P.Bye: self._on_bye, P.Stats: self._on_stats, P.Clear: self._on_clear,
                           P.Flush: self.flushes.on_flush, P.Lookup: self._on_lookup, P.StoreBegin: self.data.store_begin,
                           P.StoreCommit: self.data.store_commit, P.RetrieveBegin: self.data.retrieve_begin,
@@ -329,7 +336,7 @@ class KVTierServer:
         return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium, wait=False)), []
 
     def _on_lookup(self, identity, session, msg, payload):  # deferred only to probe a shared L2 (server/lookup.py)
-        return (None, []) if self.lookups.defer(identity, session, msg) else self.lookups.reply(identity, session, msg)
+        return (None, []) if self.lookups.defer(identity, session, msg) else self.data.lookup_reply(identity, session, msg)
 
     # ---- leases and sessions -------------------------------------------------------------------
     def _expire(self) -> None:
@@ -364,6 +371,7 @@ class KVTierServer:
         with self.lock:
             before = self.tiers.l1.num_chunks
             self.tiers.clear(medium, wait=False)
+            self.trace.clear(medium)
             dropped = before - self.tiers.l1.num_chunks
         if wait:
             self.tiers.l2.flush()
@@ -377,6 +385,7 @@ class KVTierServer:
         self.promoter.close()
         self.prehash.close()
         done = self.tiers.close(self.config.server.shutdown_timeout_seconds)
+        self.trace.close()
         if self._shm_lock is not None:
             os.close(self._shm_lock)
         self.sock.close(linger=0)
