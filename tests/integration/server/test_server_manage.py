@@ -62,6 +62,7 @@ def test_lookup_pin_ttl_and_a_session_delete_that_leaves_nothing_in_any_tier(tmp
         assert pinned.status_code == 200 and pinned.json()["pinned"] == 3, pinned.text
         for i in range(10, 40):  # 30 chunks of other prompts through a 16-chunk L1
             store(client, tokens_of(i, 1))
+            assert client.flush(30)  # the L2 writer's pins on unwritten chunks would leave only protected ones
         assert client.lookup_tiers(plain).num_l1_tokens == 3 * CHUNK  # the pin held
         assert client.lookup_tiers(session).num_l1_tokens == 3 * CHUNK  # a live session too
         assert call(server, "lookup", {**target, "tokens": plain}).json()["chunks"][0]["retention"]["pinned"]
@@ -72,6 +73,7 @@ def test_lookup_pin_ttl_and_a_session_delete_that_leaves_nothing_in_any_tier(tmp
                              call(server, "lookup", {**target, "tokens": plain}).json()["chunks"]), what="the TTL")
         for i in range(40, 60):  # the TTL passed: ordinary chunks again, evicted by the next stream
             store(client, tokens_of(i, 1))
+            assert client.flush(30)
         assert client.lookup_tiers(plain).num_l1_tokens == 0
 
         assert client.flush(30)
