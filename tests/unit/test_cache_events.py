@@ -145,3 +145,26 @@ def test_disabled_events_cost_nothing(tmp_path):
     cache.store(list(range(16)), kv(16))
     assert cache.take_events() == [] and cache.tiers.events is None
     cache.close()
+
+
+def test_tiers_delete_removes_from_every_tier_with_events(tmp_path):
+    """``Tiers.delete`` (the management API's delete): L1 and the L2 adapter lose exactly those chunks, after the
+    writes queued before it; BlockRemoved names their blocks for CPU and STORAGE; the other prompt stays."""
+    cache = make_cache(tmp_path)
+    gone, kept = list(range(24)), list(range(100, 116))
+    cache.store(gone, kv(24))
+    cache.store(kept, kv(16))
+    _, refs = cache.chunk_refs(gone)
+    keys = [r.key for r in refs]
+    cache.take_events()
+    assert cache.tiers.delete(keys) == {"CPU": 3, "local_disk": 3}  # the queued writes landed first, then went
+    assert [hits for _, hits in cache.l2.holders(keys)] == [[False] * 3]
+    assert cache.lookup(gone) == 0 and cache.lookup(kept) == 16
+    events = cache.take_events()
+    ids = [event_id(h) for h in prefix_hashes(gone, 8)]
+    for medium in ("CPU", "STORAGE"):
+        assert sorted(h for e in by_type(events, BlockRemoved, medium) for h in e.block_hashes) == sorted(ids)
+    _, kept_refs = cache.chunk_refs(kept)
+    assert [hits for _, hits in cache.l2.holders([r.key for r in kept_refs])] == [[True, True]]
+    assert cache.tiers.delete(keys) == {"CPU": 0, "local_disk": 0}
+    cache.close()

@@ -61,6 +61,18 @@ class Tiers:
         if self.l1.remove(key) and self.events is not None:
             self.events.removed([key.name()], "CPU")
 
+    def delete(self, keys: list[ChunkKey], timeout_seconds: float = 30.0) -> dict[str, int]:
+        """Remove ``keys`` from L1 and every L2 adapter (``L2Tier.delete``: after the writes already queued), with
+        their BlockRemoved events (CPU for L1, STORAGE once no adapter holds a chunk). Returns ``{"CPU": chunks
+        removed from L1, <adapter label>: records deleted there, ...}``. Blocks on L2 I/O (never on a request
+        thread). A promotion already reading one of them may put it back into L1 afterwards."""
+        removed = [key for key in keys if self.l1.remove(key)]
+        if removed and self.events is not None:
+            self.events.removed([key.name() for key in removed], "CPU")
+        out = {"CPU": len(removed), **self.l2.delete(keys, timeout_seconds)}
+        self.refresh_gauges()
+        return out
+
     def refresh_gauges(self) -> None:
         self.metrics.set("kvtier_l1_usage_bytes", self.l1.used_bytes)
         self.metrics.set("kvtier_l1_quarantined_bytes", self.l1.quarantined_bytes)

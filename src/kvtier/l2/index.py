@@ -79,6 +79,11 @@ class L2Index:
             self._probe(names[count:count + PROBE_NAMES])
         return count
 
+    def held_each(self, names: list[str]) -> list[list[bool]]:
+        """Per adapter (cascade order), which ``names`` its index holds (no I/O, no probe; refused names are not
+        held): what the management API shows per tier."""
+        return [self._indexed(i, adapter, names) for i, adapter in enumerate(self.adapters)]
+
     def probe_now(self, names: list[str]) -> int:
         """How many leading ``names`` some adapter holds, asking each adapter (``contains``: I/O). Adapters adopt
         what they find into their index; this class's own sets are updated here."""

@@ -168,6 +168,15 @@ class L2Tier:
         names = [k.name() for k in keys]
         return self.index.held(names, probe) if self.index_lookups else self.index.probe_now(names)
 
+    def holders(self, keys: Sequence[ChunkKey], names: Sequence[str] | None = None) -> list[tuple[str, list[bool]]]:
+        """(adapter label, which ``keys`` its in-memory index holds) per adapter in cascade order (no I/O; all
+        False while a ``clear_async`` is pending). ``names``: their ``name()``s when the caller has them. For the
+        management API's lookup."""
+        names = [k.name() for k in keys] if names is None else list(names)
+        clearing = self._writes.clearing
+        held = self.index.held_each(names) if names and not clearing else [[False] * len(names)] * len(self.adapters)
+        return [(adapter.label, [bool(h) for h in hits]) for adapter, hits in zip(self.adapters, held)]
+
     @property
     def index_may_lag(self) -> bool:
         """Some adapter's index can miss what other writers stored (``L2Adapter.index_may_lag``)."""
@@ -294,6 +303,23 @@ class L2Tier:
         gone = [n for n, s in zip(names, still) if not s]
         if gone:
             self.events.removed(gone, "STORAGE")
+
+    def delete(self, keys: Sequence[ChunkKey], timeout_seconds: float = 30.0) -> dict[str, int]:
+        """Delete ``keys`` from every adapter after the writes queued before the call (waited for at most
+        ``timeout_seconds``, so a queued write of one of them cannot land after the delete) and announce the
+        names no adapter holds any more (BlockRemoved, medium ``STORAGE``). Returns adapter label -> records it
+        deleted; a failing adapter counts 0 (and ``kvtier_l2_errors_total``). Blocks on adapter I/O: never call it
+        on a request thread."""
+        names = [k.name() for k in keys]
+        out = {adapter.label: 0 for adapter in self.adapters}
+        if not names or not self.adapters:
+            return out
+        self.flush(timeout_seconds)
+        for adapter in self.adapters:
+            out[adapter.label] += self._call(adapter, "delete", adapter.delete, names, default=0) or 0
+            self.index.note(adapter, names, False)
+        self._removed_if_gone(names)
+        return out
 
     def clear(self, timeout_seconds: float = 30.0) -> int:
         """Delete every record in every adapter (after pending writes) and wait at most ``timeout_seconds``.

@@ -8,7 +8,8 @@ meters),
 token is set (401 otherwise) and is refused when none is set (403) unless ``allow_unauthenticated_admin``.
 It never accepts what a browser can send cross-site without asking (a form post, ``text/plain``): the
 request must carry a JSON body (``{"medium": "CPU"}`` or ``{}``) or the ``X-KVTier-Admin`` header (415 / 400
-otherwise). Nothing is cleared when refused. Binds 127.0.0.1 unless told otherwise.
+otherwise). Nothing is cleared when refused. The management API (``/cache/...``: look up, pin, TTL, delete a
+prompt's or a session's chunks, list sessions) is ``server/manage_http.py``. Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from starlette.routing import Route
 from kvtier import __version__
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.protocol import PROTOCOL_VERSION
+from kvtier.server.manage import shown_namespace
+from kvtier.server.manage_http import FORM_TYPES, ManageRoutes, bearer_of, refused
 from kvtier.server.session import admin_refusal
 from kvtier.server.telemetry import CONTENT_TYPE, Telemetry
 
@@ -43,8 +46,6 @@ _SECRET_WORDS = frozenset({"key", "secret", "token", "password", "passwd", "pwd"
 _SECRET_KEYS = frozenset({"connection_string", "connectionstring", "accountkey", "sharedaccesssignature"})
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 _URL_QUERY = re.compile(r"(?<=[a-z]://)([^\s?#]*)\?[^\s#]*", re.IGNORECASE)  # SAS tokens travel as the query string
-_DIGEST = re.compile(r"[0-9a-f]{32}")  # keys.namespace_of
-_FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
 
 
 def is_secret_key(key) -> bool:
@@ -105,19 +106,11 @@ def server_status(server, admin: bool = False) -> dict:
                    "l2": server.tiers.l2.status(), "connected_clients": len(snap["clients"]), **snap})
 
 
-def _shown(namespace: str | None) -> str | None:
-    """A namespace as /status shows it: the connector's are digests already (``keys.namespace_of``: no cache_salt
-    in them); any other string a client chose is shown as a digest of it, never as given."""
-    if not namespace or _DIGEST.fullmatch(namespace):
-        return namespace
-    return "sha256:" + hashlib.sha256(namespace.encode()).hexdigest()[:32]
-
-
 def _sessions_and_leases(server) -> dict:
     """Sessions and leases as /status shows them (taken under the lock)."""
     with server.lock:
         now = time.monotonic()
-        clients = [{"model": s.model, "namespace": _shown(s.namespace), "tenant": s.tenant, "principal": s.principal,
+        clients = [{"model": s.model, "namespace": shown_namespace(s.namespace), "tenant": s.tenant, "principal": s.principal,
                     "layout_id": s.layout_id, "pid": s.pid, "shared_memory": s.shm,
                     "idle_seconds": round(now - s.last_seen, 3),
                     "reserved_bytes": s.usage.reserved_bytes, "leases": s.usage.leases}
@@ -137,9 +130,7 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
         return PlainTextResponse("ok" if healthy else f"unhealthy: {reason}", status_code=200 if healthy else 503)
 
     async def status(request: Request) -> Response:
-        bearer = request.headers.get("authorization", "")
-        token = bearer[7:] if bearer.startswith("Bearer ") else None
-        admin = server.config.server.admin_token is not None and admin_refusal(server.config, token) is None
+        admin = server.config.server.admin_token is not None and admin_refusal(server.config, bearer_of(request)) is None
         return JSONResponse(await asyncio.to_thread(server_status, server, admin))
 
     async def metrics(request: Request) -> Response:
@@ -148,7 +139,7 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
 
     async def clear(request: Request) -> Response:
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if content_type in _FORM_TYPES:
+        if content_type in FORM_TYPES:
             return JSONResponse({"error": f"/clear does not accept {content_type} (a browser form can send that "
                                           "cross-site); send a JSON body or the X-KVTier-Admin header"}, status_code=415)
         body = {}
@@ -163,13 +154,9 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
         elif "x-kvtier-admin" not in request.headers:
             return JSONResponse({"error": "send a JSON body (Content-Type: application/json) or the X-KVTier-Admin "
                                           "header"}, status_code=400)
-        bearer = request.headers.get("authorization", "")
-        refusal = admin_refusal(server.config, bearer[7:] if bearer.startswith("Bearer ") else None)
-        if refusal:
-            if server.config.server.admin_token is None:
-                return JSONResponse({"error": refusal}, status_code=403)
-            return JSONResponse({"error": f"{refusal}: send 'Authorization: Bearer <token>'"}, status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
+        refusal = refused(server.config, bearer_of(request))
+        if refusal is not None:
+            return refusal
         medium = body.get("medium", request.query_params.get("medium"))
         try:
             # off the request thread: this one may wait for the L2 clear (at most 30 s)
@@ -178,8 +165,11 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
             return JSONResponse({"error": str(exc)}, status_code=400)
         return JSONResponse({"cleared": True, "medium": medium, "num_l1_chunks": num_chunks})
 
-    return Starlette(routes=[Route("/healthz", healthz), Route("/status", status), Route("/metrics", metrics),
-                             Route("/clear", clear, methods=["POST"])])
+    manage = ManageRoutes(server)
+    app = Starlette(routes=[Route("/healthz", healthz), Route("/status", status), Route("/metrics", metrics),
+                            Route("/clear", clear, methods=["POST"]), *manage.routes])
+    app.state.manage = manage  # closed by AdminHTTP.stop (its hashing process)
+    return app
 
 
 class AdminHTTP:
@@ -187,7 +177,10 @@ class AdminHTTP:
     so a port in use is a ConfigError at startup, not a log line in a thread."""
 
     def __init__(self, server, telemetry: Telemetry, host: str, port: int):
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP; with
+        # Nagle on, a keep-alive client waited out its delayed ACK (~40 ms) for every response's body
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                  socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.sock.bind((host, port))
@@ -197,7 +190,8 @@ class AdminHTTP:
             raise ConfigError(f"cannot listen on {host}:{port} (--admin-host/--admin-port): {exc.strerror}; "
                               "pick another --admin-port") from exc
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(build_app(server, telemetry), log_level="warning", lifespan="off",
+        self.app = build_app(server, telemetry)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                 access_log=False)
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.sock]},
@@ -216,3 +210,4 @@ class AdminHTTP:
         if self._thread.is_alive():
             self._thread.join(timeout_seconds)
         self.sock.close()
+        self.app.state.manage.close()

@@ -38,6 +38,7 @@ from kvtier.proc import host_id, pid_start_time
 from kvtier.server.dataops import DataOps
 from kvtier.server.flushes import Flushes
 from kvtier.server.lookup import LookupProber
+from kvtier.server.manage import KnownCaches
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
 from kvtier.server.listen import pick_port, request_router
@@ -122,6 +123,7 @@ class KVTierServer:
         self.shm_name = shm_name
         self._shm_lock = hold_lock(shm_name) if shm_name else None
         self.caches: dict[tuple[str, str, str], KVCache] = {}
+        self.known = KnownCaches(MAX_CACHES)  # for the management API, kept after their sessions are gone
         self.sessions: dict[bytes, Session] = {}
         self._next_idle_scan = 0.0
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
@@ -294,6 +296,7 @@ class KVTierServer:
                 return error_reply(msg, "bad_request", f"this server already serves {MAX_CACHES} caches")
             cache = KVCache(self.config, msg.model, layout, namespace=namespace, tiers=self.tiers)
             self.caches[cache_key] = cache
+        self.known.note(cache_key, cache)
         # one mapping of the arena reaches every slot, so a tenant's bytes travel as frames
         shm = bool(self.shm_name) and msg.want_shm and msg.host_id == self.host_id and tenant is None
         usage = old.usage if old is not None else self.principals.admit(identity, principal)
