@@ -69,6 +69,23 @@ def test_lower_priority_goes_first_when_only_hinted_chunks_are_left(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_a_session_chunk_is_not_evicted_while_ordinary_chunks_are_only_pinned(policy):
+    store = make(policy, slots=4)
+    put(store, "s")
+    store.hint(["s"], RetentionHint(session_id="agent"))
+    held = []
+    for i in range(3):  # the rest of L1: ordinary chunks an L2 write (or a reader) holds for a moment
+        put(store, i)
+        held.append((i, store.acquire(i)[2]))
+    assert store.reserve("new", SLOT) is None  # not stored, rather than the session's chunk evicted
+    assert store.contains("s")
+    for key, offset in held:
+        store.release(key, offset)
+    put(store, "new")  # once the pins are gone an ordinary chunk goes
+    assert store.contains("s") and store.contains("new") and store.num_chunks == 4
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_expired_ttl_makes_a_chunk_an_ordinary_candidate(policy):
     clock = Clock()
     store = make(policy, slots=4, clock=clock)

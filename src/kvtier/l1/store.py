@@ -17,8 +17,8 @@ Quarantine (``kvtier.l1.quarantine``): ``quarantine(key)`` takes a reservation o
 freeing its slot, which ``free_quarantined`` frees once its late writer is known to be done or gone; the key
 can be reserved again at once, elsewhere.
 
-Retention hints (``kvtier.l1.retention``, set by ``hint`` after a commit): under pressure unhinted and expired
-entries are evicted first, then hinted ones by priority; a management pin never.
+Retention hints (``kvtier.l1.retention``, set by ``hint``): unhinted and expired entries are evicted first, then
+hinted ones by priority unless an unhinted one is only pinned (the reservation fails then); a management pin never.
 
 Thread-safe: one lock around every method (it guards the hint table and the quarantine too). ``on_evict``
 runs after the lock is released, so it may call back into the store. The bytes of a slot are read and written
@@ -125,21 +125,22 @@ class L1Store:
         return view
 
     def _evict_for(self, nbytes: int, evicted: list) -> int | None:
-        # unprotected chunks (no hint, or an expired one) go first, in policy order; then hinted ones, lowest
-        # priority first (policy order within a priority); a management pin never
-        need = align_up(nbytes)
+        # unprotected chunks (no hint, or an expired one) first, in policy order; then, unless one was only pinned
+        # for a moment (a read, an L2 write: then None), hinted ones by priority; a management pin never
+        need, busy = align_up(nbytes), False
         now = self.retention.clock() if len(self.retention) else None
         protected: list[tuple[int, Hashable]] = []
         for victim in self._policy.victims():
             entry = self._entries[victim]
-            if entry.pins:
-                continue  # being read: the policy rotates it and offers the next one
             rank = None if now is None else self.retention.protection(victim, now)
             if rank is not None:
                 protected.append((rank, victim))
-                continue
-            if self._evict_one(victim, entry, evicted) >= need:
+            elif entry.pins:
+                busy = True  # the policy rotates it and offers the next one
+            elif self._evict_one(victim, entry, evicted) >= need:
                 return self.arena.alloc(nbytes)
+        if busy:
+            return None
         for rank, victim in sorted(protected, key=lambda p: p[0]):
             entry = self._entries.get(victim)
             if rank > MAX_PRIORITY or entry is None or entry.pins:
@@ -388,8 +389,7 @@ class L1Store:
             self.arena.unlink()
 
     def _report(self, evicted: list[tuple[Hashable, Any]]) -> None:
-        callback = self.on_evict
-        if evicted and callback is not None:
+        if evicted and (callback := self.on_evict) is not None:
             try:
                 callback(evicted)
             except Exception:
