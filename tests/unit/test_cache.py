@@ -10,6 +10,7 @@ import torch
 from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.errors import ConfigError, InputError, KVTierError
+from kvtier.hints import RetentionHint
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8)
@@ -248,3 +249,25 @@ def test_the_lookup_memo_is_bounded_in_bytes(tmp_path):
     out, n = cache.retrieve(tokens)
     assert n == 64 * CHUNK and torch.equal(out, kv)
     cache.close()
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_a_hinted_session_outlives_other_prompts_in_a_full_l2(tmp_path, hinted):
+    """Issue 19 §1: the store's retention hint reaches L2 capacity eviction (local disk), not only L1."""
+    chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
+    spec = [{"type": "local_disk", "path": str(tmp_path / "disk"), "size_gb": 16.5 * chunk_bytes / 1e9}]
+    cfg = build_config({"chunk_size": CHUNK, "l1_size_gb": "1MiB", "l2_adapters": spec})
+    with KVCache(cfg, "test-model", LAYOUT) as cache:
+        session = list(range(1000, 1000 + 4 * CHUNK))  # 4 chunks: under half of the L2's 16
+        hint = RetentionHint(priority=2, session_id="agent-1") if hinted else None
+        assert cache.store(session, kv_for(session), hint=hint) == 4  # chunks
+        assert cache.flush()
+        for i in range(12):  # 48 more chunks through a 16-chunk L2
+            other = [5000 + 100 * i + t for t in range(4 * CHUNK)]
+            cache.store(other, kv_for(other, seed=i))
+            assert cache.flush()
+        cache.clear("CPU")
+        assert cache.lookup(session) == (4 * CHUNK if hinted else 0)
+        if hinted:
+            kv, num_tokens = cache.retrieve(session)
+            assert num_tokens == 4 * CHUNK and torch.equal(kv, kv_for(session))

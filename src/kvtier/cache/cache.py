@@ -180,7 +180,7 @@ class KVCache:
             if len(items) < len(run) and self.l2.adapters and ticket.on_lost is not None:
                 ticket.on_lost(len(run) - len(items))  # evicted before it could be written
             self.l2.write_async(ticket.tokens, items, lambda key, at=offsets: self.l1.release(key, at[key]), refs,
-                                lost=ticket.on_lost)
+                                lost=ticket.on_lost, hint=ticket.hint)
         self.tiers.refresh_gauges()
         return len(ticket.slots)
 

@@ -103,6 +103,12 @@ class L2Adapter(ABC):
         self.delete(names)
         return names
 
+    def retain(self, items: Sequence[tuple[str, int]], hint) -> int:
+        """Keep the records ``items`` ((name, bytes) just written) under ``hint`` (``kvtier.hints.RetentionHint``)
+        in capacity eviction (``kvtier.l2.retention``); returns how many were accepted. Adapters that do not evict
+        by themselves ignore it (0)."""
+        return 0
+
     def close(self) -> None:
         """Release connections and threads."""
 

@@ -34,7 +34,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvtier.errors import InputError
+from kvtier.l1.retention import Retention
 from kvtier.l2 import fileio
+from kvtier.l2.retention import victims
 from kvtier.proc import pid_alive
 
 # the adapter's logger: these warnings are the adapter's, under the name operators already filter on
@@ -56,10 +58,16 @@ class DiskIndex:
         host: this host's 8-hex tag in temp names (``RecordFiles.host``): only this host's pids can be checked.
         unlink: deletes a record file; True if it was there (the adapter's, which reports its errors).
         private: tightens a file or folder other users can read, ``(path, st_mode, wanted mode)``.
+        retention_max_share: share of the capacity hinted records may hold (``kvtier.l2.retention``); clock: its
+            seconds (the simulator's is the trace's).
+
+    Attributes:
+        retention: the hints of the records (``kvtier.l1.retention.Retention``), guarded by ``lock``.
     """
 
     def __init__(self, root: str, depth: int, capacity_bytes: int | None, host: str,
-                 unlink: Callable[[str], bool], private: Callable[[str, int, int], None]):
+                 unlink: Callable[[str], bool], private: Callable[[str, int, int], None],
+                 retention_max_share: float = 0.5, clock: Callable[[], float] = time.monotonic):
         self.root = root
         self.depth = depth
         self.capacity_bytes = capacity_bytes
@@ -70,6 +78,7 @@ class DiskIndex:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # name -> bytes, least recently used first
         self.used_bytes = 0
         self.reserved_bytes = 0  # writes in flight, counted against the capacity
+        self.retention = Retention(capacity_bytes or 0, retention_max_share, clock=clock)
 
     def path(self, name: str) -> str:
         """The file of record ``name``; InputError for a name that is not ``ChunkKey.name()`` form (guards against
@@ -107,6 +116,7 @@ class DiskIndex:
         if size is None:
             return False
         self.used_bytes -= size
+        self.retention.drop(name)
         return True
 
     def reserve(self, size: int) -> tuple[bool, list[str]]:
@@ -132,14 +142,14 @@ class DiskIndex:
         self.used_bytes += size
 
     def evict_until(self, size: int) -> list[str]:
-        """Delete least recently used records until ``size`` more bytes fit; returns their names."""
-        evicted = []
+        """Delete records until ``size`` more bytes fit, least recently used first, hinted ones last
+        (``kvtier.l2.retention``); returns their names."""
         cap = self.capacity_bytes
-        while cap is not None and self._sizes and self.used_bytes + self.reserved_bytes + size > cap:
-            name, nbytes = self._sizes.popitem(last=False)
-            self.used_bytes -= nbytes
+        over = 0 if cap is None else self.used_bytes + self.reserved_bytes + size - cap
+        evicted = victims(self._sizes.items(), over, self.retention) if over > 0 else []
+        for name in evicted:
+            self.forget(name)
             self._unlink(self.path(name))
-            evicted.append(name)
         return evicted
 
     # ---- startup and rescan (takes lock) ------------------------------------------------------------

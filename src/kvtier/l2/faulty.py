@@ -125,6 +125,9 @@ class FaultyAdapter(L2Adapter):
         self._before("delete")
         return self.inner.delete(names)
 
+    def retain(self, items: Sequence[tuple[str, int]], hint) -> int:
+        return self.inner.retain(items, hint)  # in memory: no I/O to delay or fail
+
     def list_names(self) -> list[str]:
         self._before("list_names")
         return self.inner.list_names()

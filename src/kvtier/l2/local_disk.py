@@ -67,6 +67,7 @@ class LocalDiskConfig(AdapterConfig):
     num_threads: int = Field(4, ge=1, le=256)  # parallel file I/O for batch put/get
     shard_depth: int = Field(1, ge=0, le=4)
     fsync: Bool = True
+    retention_max_share: float = Field(0.5, ge=0.0, le=1.0)  # of size_gb, for records under a retention hint
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -103,7 +104,8 @@ class LocalDiskAdapter(L2Adapter):
         self._host = xxhash.xxh32_hexdigest(socket.gethostname().encode())
         self._files = RecordFiles(self.root, self._host, config.fsync, config.direct_io)
         self._index = DiskIndex(self.root, config.shard_depth, self.capacity_bytes, self._host,
-                                unlink=self._unlink, private=self._private)
+                                unlink=self._unlink, private=self._private,
+                                retention_max_share=config.retention_max_share)
         self._logged_errnos: set[int] = set()
         self._warned_open = False
         self._closed = False
@@ -135,6 +137,12 @@ class LocalDiskAdapter(L2Adapter):
                     break
             flags += [False] * (len(args) - len(flags))
         return flags
+
+    def retain(self, items: Sequence[tuple[str, int]], hint) -> int:
+        if self.capacity_bytes is None:
+            return 0
+        with self._index.lock:
+            return sum(self._index.retention.set(name, hint, size) for name, size in items if name in self._index)
 
     def get(self, names: Sequence[str]) -> list[Buffer | None]:
         return self._map(self._get_one, [(self._path(name), name) for name in names])

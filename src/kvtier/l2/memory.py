@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from kvtier.config import SizeGB
+from kvtier.l1.retention import Retention
 from kvtier.l2.base import AdapterConfig, Buffer, L2Adapter, Usage
+from kvtier.l2.retention import victims
 from kvtier.units import GB
 
 
@@ -24,6 +26,7 @@ class MemoryConfig(AdapterConfig):
 
     size_gb: SizeGB | None = Field(None, gt=0)
     shared: str | None = None  # adapters with the same id in one process share one store
+    retention_max_share: float = Field(0.5, ge=0.0, le=1.0)  # of size_gb, for records under a retention hint
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -33,11 +36,19 @@ class MemoryConfig(AdapterConfig):
 class _Store:
     """Records (immutable bytes) in least-recently-used order, under one lock."""
 
-    def __init__(self, capacity_bytes: int | None):
+    def __init__(self, capacity_bytes: int | None, retention_max_share: float):
         self.capacity_bytes = capacity_bytes
         self.lock = threading.Lock()
         self.records: OrderedDict[str, bytes] = OrderedDict()
         self.used_bytes = 0
+        self.retention = Retention(capacity_bytes or 0, retention_max_share)  # kvtier.l2.retention
+
+    def pop(self, name: str) -> bytes | None:
+        data = self.records.pop(name, None)
+        if data is not None:
+            self.used_bytes -= len(data)
+            self.retention.drop(name)
+        return data
 
 
 _SHARED: weakref.WeakValueDictionary[str, _Store] = weakref.WeakValueDictionary()
@@ -60,12 +71,12 @@ class MemoryAdapter(L2Adapter):
     def __init__(self, config: MemoryConfig):
         super().__init__(config)
         if config.shared is None:
-            self._store = _Store(config.capacity_bytes)
+            self._store = _Store(config.capacity_bytes, config.retention_max_share)
         else:
             with _SHARED_LOCK:
                 store = _SHARED.get(config.shared)
                 if store is None:
-                    store = _SHARED[config.shared] = _Store(config.capacity_bytes)
+                    store = _SHARED[config.shared] = _Store(config.capacity_bytes, config.retention_max_share)
                 store.capacity_bytes = config.capacity_bytes  # the latest configuration wins
                 self._store = store
         self.capacity_bytes = config.capacity_bytes
@@ -90,9 +101,9 @@ class MemoryAdapter(L2Adapter):
                 if cap is not None and len(data) > cap:
                     out.append(False)
                     continue
-                while cap is not None and s.records and s.used_bytes + len(data) > cap:
-                    victim, old = s.records.popitem(last=False)
-                    s.used_bytes -= len(old)
+                over = 0 if cap is None else s.used_bytes + len(data) - cap
+                for victim in victims(((n, len(b)) for n, b in s.records.items()), over, s.retention) if over > 0 else ():
+                    s.pop(victim)
                     evicted.append(victim)
                 s.records[name] = data
                 s.used_bytes += len(data)
@@ -123,11 +134,15 @@ class MemoryAdapter(L2Adapter):
         count = 0
         with s.lock:
             for name in names:
-                data = s.records.pop(name, None)
-                if data is not None:
-                    s.used_bytes -= len(data)
-                    count += 1
+                count += s.pop(name) is not None
         return count
+
+    def retain(self, items: Sequence[tuple[str, int]], hint) -> int:
+        s = self._store
+        if s.capacity_bytes is None:
+            return 0
+        with s.lock:
+            return sum(s.retention.set(name, hint, size) for name, size in items if name in s.records)
 
     def list_names(self) -> list[str]:
         with self._store.lock:

@@ -265,8 +265,9 @@ class L2Tier:
 
     # ---- writes ------------------------------------------------------------------------
     def write_async(self, tokens, items: list[WriteItem], release: Callable[[ChunkKey], None],
-                    event_refs: list | None = None, lost: Callable[[int], None] | None = None) -> int:
+                    event_refs: list | None = None, lost: Callable[[int], None] | None = None, hint=None) -> int:
         """Queue ``items`` (consecutive chunks of the prompt ``tokens``) for write-through to every adapter.
+        ``hint``: the store's ``RetentionHint``, for the adapters' capacity eviction (``L2Adapter.retain``).
 
         ``event_refs``: the items' ``kvtier.cache.ChunkRef``s, one per item, so the written chunks are announced
         (BlockStored, medium ``STORAGE``).
@@ -275,7 +276,7 @@ class L2Tier:
         released at once. ``lost``: called with how many items will not be in L2 (dropped here, or not written
         by any adapter), so a ``Flush`` can say so. Returns how many were queued. Never blocks.
         """
-        return self._writes.write_async(tokens, items, release, event_refs, lost)
+        return self._writes.write_async(tokens, items, release, event_refs, lost, hint)
 
     def written_bytes(self) -> list[dict]:
         """Per adapter: ``codec``, ``raw_bytes_written``, ``bytes_written`` (records, headers included) and their

@@ -69,6 +69,7 @@ class _WriteBatch:
     release: Callable[[ChunkKey], None]
     event_refs: list | None  # the items' ChunkRefs (kvtier.cache.ChunkRef), for events
     lost: Callable[[int], None] | None = None  # told how many items were not written
+    hint: object = None  # kvtier.hints.RetentionHint of the store, for the adapters' capacity eviction
 
 
 class L2Writer:
@@ -113,7 +114,7 @@ class L2Writer:
             self._thread.start()
 
     def write_async(self, tokens, items: list[WriteItem], release: Callable[[ChunkKey], None],
-                    event_refs: list | None = None, lost: Callable[[int], None] | None = None) -> int:
+                    event_refs: list | None = None, lost: Callable[[int], None] | None = None, hint=None) -> int:
         """Queue ``items`` for every adapter; returns how many were queued (``L2Tier.write_async``)."""
         if not self.adapters or not items:
             for item in items:
@@ -123,7 +124,7 @@ class L2Writer:
             room = 0 if self._closed else max(0, self.queue_chunks - self._pending)
             queued, dropped = items[:room], items[room:]
             if queued:
-                self._queue.append(_WriteBatch(tokens, queued, release, event_refs, lost))
+                self._queue.append(_WriteBatch(tokens, queued, release, event_refs, lost, hint))
                 self._pending += len(queued)
                 self._cond.notify_all()
         if dropped:
@@ -265,6 +266,9 @@ class L2Writer:
                     done[i] = True
                 self.metrics.inc("kvtier_l2_writes_total", len(written), adapter=adapter.label)
                 self._count_bytes(adapter, codec, [parts for _, parts in written])
+                if written and batch.hint is not None and batch.hint.protects:
+                    self._call(adapter, "retain", adapter.retain, [(records[i][0], record_size(parts))
+                                                                    for i, parts in written], batch.hint, default=0)
             flags_in_order = iter(done)
             for name, parts in group:
                 if parts is None:

@@ -2,7 +2,7 @@
 
 What runs is the server's: ``L1Store`` (its policy, ``LRU`` / ``ARC`` / ``S3FIFO``, its retention hints with the
 trace's clock, its first-fit arena allocator and eviction loop) over a ``VirtualArena`` (the allocator over no
-memory, so a 1 TB L1 costs only bookkeeping), and the local-disk adapter's ``DiskIndex`` (LRU to capacity) with no
+memory, so a 1 TB L1 costs only bookkeeping), and the local-disk adapter's ``DiskIndex`` (LRU to capacity, retention hints) with no
 files behind it. What this module adds is only the order of calls the server's cache makes for each request
 (``KVCache.lookup_tiers``, ``begin_store`` + ``commit_store``, ``begin_retrieve``, ``_promote``; the local-disk
 adapter's ``put`` and ``get``), on chunk digests instead of keys:
@@ -122,7 +122,7 @@ class Replay:
         self.l1.on_evict = self._l1_evicted
         l2 = self.config.l2_size_bytes
         self.l2 = None if l2 is None else DiskIndex("/nonexistent", 0, l2, "0" * 8, lambda path: True,
-                                                    lambda path, mode, want: None)
+                                                    lambda path, mode, want: None, clock=lambda: self.now)
         self._ops = {"lookup": self._lookup, "retrieve": self._retrieve, "prefetch": self._promote_from,
                      "store": self._store, "end": self._end, "clear": self._clear}
         self._leases: dict[int, tuple] = {}  # trace ticket -> ("store", record, reserved) | ("retrieve", pins)
@@ -241,8 +241,8 @@ class Replay:
             l1.hint(chunks, hint)
         for i, nbytes in reserved:
             self.outcome.stored_bytes += nbytes
-            if self.l2 is not None:
-                self._l2_put(_name(chunks[i]), nbytes)
+            if self.l2 is not None and self._l2_put(_name(chunks[i]), nbytes) and hint is not None:
+                self.l2.retention.set(_name(chunks[i]), hint, nbytes)  # the writer's L2Adapter.retain
 
     def _clear(self, record: TraceRecord) -> None:
         """``Tiers.clear``: L1's committed chunks (reservations stay), L2's index, or both."""
@@ -252,17 +252,19 @@ class Replay:
             for name in self.l2.names():
                 self.l2.forget(name)
 
-    def _l2_put(self, name: str, nbytes: int) -> None:
-        """``LocalDiskAdapter._put_one`` on the index alone: a record already there is touched, else room is made."""
+    def _l2_put(self, name: str, nbytes: int) -> bool:
+        """``LocalDiskAdapter._put_one`` on the index alone: a record already there is touched, else room is made;
+        whether it is held now."""
         l2 = self.l2
         if name in l2:
             l2.touch(name)
-            return
+            return True
         fits, evicted = l2.reserve(nbytes)
         self.outcome.l2_evicted_chunks += len(evicted)
         if fits:
             l2.written(name, nbytes)
             self.outcome.l2_written_bytes += nbytes
+        return fits
 
     def close(self) -> None:
         self.l1.close()
