@@ -195,13 +195,16 @@ class L2Tier:
         records are decoded by ``L2Payload.copy_into``.
 
         One batched ``get`` per adapter (adapters fan a batch out in parallel), limited to the leading
-        chunks some adapter says it holds. A record failing verification is deleted from that adapter,
+        chunks some adapter's index holds (past them, over an L2 other servers write to, the chunks its ``contains``
+        finds). A record failing verification is deleted from that adapter,
         counted in ``kvtier_corrupt_records_total`` and treated as a miss there (a later adapter may hit).
         """
         if self._writes.clearing:
             return []
         names = [k.name() for k in keys]
-        count = self.index.probe_now(names)
+        count = self.index.held(names, probe=False)  # the indexes: no `contains` before the get
+        if count < len(names) and self.index_may_lag:  # another writer's records: only the unknown tail is asked
+            count += self.index.probe_now(names[count:])
         keys, names = list(keys)[:count], names[:count]
         found: list[L2Payload | None] = [None] * len(keys)
         for index, adapter in enumerate(self.adapters):
