@@ -47,6 +47,9 @@ class L2Adapter(ABC):
       * ``get`` returns the exact bytes put, or None; never a torn or mixed record.
       * methods may raise; ``L2Tier`` turns any exception into a miss plus ``kvtier_l2_errors_total``.
       * adapters with a capacity evict by themselves and report evicted names through ``on_evict``.
+      * an adapter that answers some names of a batch as misses because they could not be asked (a Redis
+        Cluster node is down) reports it through ``on_errors`` (operation, how many names), and the tier
+        counts them in ``kvtier_l2_errors_total``.
       * ``indexed`` never does I/O; every other method may.
     """
 
@@ -60,6 +63,7 @@ class L2Adapter(ABC):
         self.config = config
         self.label = config.name or config.type
         self.on_evict: Callable[[list[str]], None] | None = None
+        self.on_errors: Callable[[str, int], None] | None = None
 
     @abstractmethod
     def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
@@ -115,6 +119,10 @@ class L2Adapter(ABC):
     def _evicted(self, names: list[str]) -> None:
         if names and self.on_evict is not None:
             self.on_evict(names)
+
+    def _errors(self, op: str, num_names: int) -> None:
+        if num_names and self.on_errors is not None:
+            self.on_errors(op, num_names)
 
 
 # type -> (module, class); aliases map LMCache's L2 names (and GDS variants) onto ours.

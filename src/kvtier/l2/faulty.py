@@ -56,6 +56,7 @@ class FaultyAdapter(L2Adapter):
         super().__init__(config)
         self.inner = inner if inner is not None else create_adapter(config.inner)
         self.inner.on_evict = self._evicted
+        self.inner.on_errors = self._errors
         self._rng = random.Random(config.seed)
         self._rng_lock = threading.Lock()
         self._ops = frozenset(config.ops)

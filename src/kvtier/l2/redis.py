@@ -268,6 +268,7 @@ class RedisAdapter(RemoteAdapter):
         if failed is not None:
             log.warning("L2 %s: %d of %d keys unreachable (%s); answered as misses", self.label,
                         num_failed, len(names), self._scrub(describe(failed)))
+            self._errors("get", num_failed)
         return values
 
     def _reassemble(self, name: str, value: bytes) -> bytes | None:

@@ -120,6 +120,7 @@ class L2Tier:
         self.index_lookups = index_lookups
         for adapter in self.adapters:
             adapter.on_evict = lambda names, a=adapter: self._on_adapter_evict(a, names)
+            adapter.on_errors = lambda op, n, a=adapter: self.metrics.inc("kvtier_l2_errors_total", n, adapter=a.label, op=op)
         self._writes = L2Writer(self.adapters, self.codecs, metrics, events, self.index, queue_chunks, record_key,
                                 record_auth, call=self._call, clear=self._run_clear)
 
