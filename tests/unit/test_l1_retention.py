@@ -157,3 +157,21 @@ def test_hints_from_engine_params():
     assert hint_from_params({"kvtier.priority": 2}) == RetentionHint(2, None, None)
     with pytest.raises(InputError, match="ttl_seconds"):
         hint_from_params({"kvtier.ttl_seconds": 0})
+
+
+def test_a_later_ttl_hint_does_not_shorten_a_hint_without_expiry():
+    """A shared system prompt hinted with a priority and no TTL, then stored again inside a session's prompt (a
+    TTL hint): it keeps no expiry and the higher priority; an expired hint takes the new one as it is."""
+    clock = Clock()
+    store = make("LRU", clock=clock)
+    put(store, "system")
+    store.hint(["system"], RetentionHint(priority=3))
+    store.hint(["system"], RetentionHint(priority=1, ttl_seconds=30.0, session_id="agent-1"))
+    assert store.retention_of("system") == {"priority": 3, "expires_in_seconds": None, "session_id": "agent-1",
+                                            "pinned": False}
+    put(store, "turn")
+    store.hint(["turn"], RetentionHint(priority=2, ttl_seconds=10.0))
+    clock.now += 11.0  # expired: the next hint replaces it
+    store.hint(["turn"], RetentionHint(priority=1, ttl_seconds=30.0))
+    assert store.retention_of("turn") == {"priority": 1, "expires_in_seconds": 30.0, "session_id": None,
+                                          "pinned": False}

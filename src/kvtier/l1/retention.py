@@ -52,7 +52,8 @@ class Retention:
 
     def set(self, key: Hashable, hint: RetentionHint, nbytes: int, *, pinned: bool = False) -> bool:
         """Protect ``key`` (``nbytes`` in L1) under ``hint``; a stronger existing hint keeps its priority and the
-        later expiry. Returns False (and counts a refusal) when it would take protected bytes past the share."""
+        later expiry (a live hint without an expiry keeps none). Returns False (and counts a refusal) when it
+        would take protected bytes past the share."""
         now = self.clock()
         ttl = hint.ttl_seconds
         if ttl is None and hint.session_id is not None and not pinned:
@@ -68,12 +69,14 @@ class Retention:
             self._held[key] = _Held(hint.priority, expires, hint.session_id, nbytes, pinned)
             self._held_bytes += nbytes
             return True
-        old.priority = max(old.priority, hint.priority) if self.live(old, now) else hint.priority
-        old.expires_at = None if expires is None or old.pinned else max(expires, old.expires_at or expires)
+        live = self.live(old, now)
+        old.priority = max(old.priority, hint.priority) if live else hint.priority
+        if expires is None or old.pinned or pinned or (live and old.expires_at is None):
+            old.expires_at = None  # no expiry outlasts any TTL: a later TTL hint does not shorten it
+        else:
+            old.expires_at = max(expires, old.expires_at or expires)
         old.session_id = hint.session_id or old.session_id
         old.pinned = old.pinned or pinned
-        if pinned:
-            old.expires_at = None
         return True
 
     def drop(self, key: Hashable) -> bool:
