@@ -12,6 +12,7 @@ from kvtier.config import build_config
 from kvtier.errors import ConfigError, InputError, KVTierError
 from kvtier.hints import RetentionHint
 from kvtier.layout import KVLayout
+from kvtier.tensors import as_numpy, copy_from
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8)
 CHUNK = 16
@@ -271,3 +272,17 @@ def test_a_hinted_session_outlives_other_prompts_in_a_full_l2(tmp_path, hinted):
         if hinted:
             kv, num_tokens = cache.retrieve(session)
             assert num_tokens == 4 * CHUNK and torch.equal(kv, kv_for(session))
+
+
+def test_a_hinted_store_from_start_hints_the_chunks_before_it_too(tmp_path):
+    """Issue 19 §1: a store with ``start`` (a sliding-window part, a client storing only a prompt's tail) puts every
+    chunk of the prompt L1 holds under its hint, those before ``start`` included; the ones L1 lacks are skipped."""
+    prompt = list(range(500, 500 + 4 * CHUNK))
+    kv = kv_for(prompt)
+    with make_cache(tmp_path, disk=False) as cache:
+        assert cache.store(prompt[:2 * CHUNK], kv[:, :, :2 * CHUNK]) == 2  # earlier turn, stored without a hint
+        stored = cache.store_chunks(prompt, copy_from(as_numpy(kv)), start=3 * CHUNK,
+                                    hint=RetentionHint(priority=1, session_id="agent-1"))
+        assert stored == 1  # chunk 2 is neither stored nor hinted: L1 does not hold it
+        _, refs = cache.chunk_refs(prompt)
+        assert sorted(cache.l1.session_keys("agent-1"), key=str) == sorted([refs[i].key for i in (0, 1, 3)], key=str)

@@ -127,10 +127,13 @@ class KVCache:
         """Reserve L1 slots for the chunks of ``tokens`` not yet stored, from ``start``'s chunk on (stops at the
         first chunk that cannot get space, or that would take the reserved bytes past ``max_bytes``: then
         ``ticket.limited``). The slots are invisible until ``commit_store``. ``hint`` (``retention.check_hint``)
-        is applied at commit to every chunk of the prompt L1 then holds, already-stored ones included."""
-        arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
-        refs = self._from(refs, start)
+        is applied at commit to every chunk of the prompt L1 then holds, already-stored ones and those before
+        ``start`` included."""
+        arr, prompt_refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
+        refs = self._from(prompt_refs, start)
         ticket = StoreTicket(arr, refs, hint=hint)
+        if hint is not None and hint.protects and len(refs) < len(prompt_refs):
+            ticket.hinted_before = [ref.key for ref in prompt_refs[:len(prompt_refs) - len(refs)]]
         reserved = 0
         for ref in refs:
             if self.l1.contains(ref.key):
@@ -162,7 +165,7 @@ class KVCache:
             self.l1.commit(slot.ref.key)
         self.metrics.inc("kvtier_store_chunks_total", len(ticket.slots))
         if ticket.hint is not None and ticket.hint.protects:
-            refused = self.l1.hint([ref.key for ref in ticket.refs], ticket.hint)[1]
+            refused = self.l1.hint(ticket.hinted_before + [ref.key for ref in ticket.refs], ticket.hint)[1]
             self.metrics.inc("kvtier_retention_refused_chunks_total", refused)
         for run in _runs(ticket.slots):
             if self.tiers.events is not None:

@@ -59,6 +59,7 @@ class StoreTicket:
     slots: list[L1Slot] = field(default_factory=list)
     limited: bool = False
     hint: RetentionHint | None = None  # applied at commit to every chunk of the prompt (stored or already held)
+    hinted_before: list[ChunkKey] = field(default_factory=list)  # with a hint: the keys of the chunks before start
     # told, from the L2 writer's thread, how many committed chunks will not reach L2 (dropped, failed): flush()
     on_lost: Callable[[int], None] | None = None
 

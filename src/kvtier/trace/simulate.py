@@ -19,7 +19,8 @@ adapter's ``put`` and ``get``), on chunk digests instead of keys:
 
 Hit rate is counted as the server's ``kvtier_lookup_hit_tokens_total`` / ``kvtier_lookup_tokens_total``: leading
 tokens found by lookups, by tier, over the tokens looked up. Not modelled: the pin an L2 write in flight holds,
-L2 write-queue drops, codecs (L2 holds the raw KV bytes) and a cascade of several L2 adapters (one L2 tier).
+L2 write-queue drops, codecs (L2 holds the raw KV bytes), a cascade of several L2 adapters (one L2 tier), and the
+hint a store from ``start`` > 0 puts on the chunks before ``start`` (its record names the chunks from ``start`` on).
 """
 
 from __future__ import annotations
