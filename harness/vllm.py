@@ -118,15 +118,16 @@ class OpenAIServer:
 
 def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | None = None, role: str = "kv_both",
              repeat: int = 1, max_tokens: int = 4, prefix_caching: bool = False, expect_fail: bool = False, warmup: bool = False,
-             kv_events: str | None = None,
+             kv_events: str | None = None, kv_transfer_params: dict | None = None,
              timeout_seconds: float = 900, driver: list[str] | None = None, env_extra: dict | None = None,
              model: Path | None = None, one_process: bool = False) -> dict:
     """Run ``examples/vllm/offline.py`` in the vLLM environment. Returns its JSON plus ``log`` (stdout+stderr).
 
     With ``expect_fail`` the run must exit non-zero; the result is then ``{"log": ..., "returncode": ...}``.
     ``driver`` replaces ``[vLLM python, offline.py]`` (see ``run_vllm_lmcache``); ``env_extra`` is added to the
-    environment. ``model``: the model folder (default SmolLM2, ``model_dir()``). ``one_process``: vLLM's engine
-    core and worker in the driver's process (``offline.py --one-process``; about half the start-up time).
+    environment. ``kv_transfer_params``: sent with every request (kvtier's retention hints, for one). ``model``:
+    the model folder (default SmolLM2, ``model_dir()``). ``one_process``: vLLM's engine core and worker in the
+    driver's process (``offline.py --one-process``; about half the start-up time).
     """
     prompts_path, out_path, log_path = work / f"{name}-prompts.json", work / f"{name}.json", work / f"{name}.log"
     prompts_path.write_text(json.dumps(prompts))
@@ -142,6 +143,8 @@ def run_vllm(work: Path, name: str, prompts: list[list[int]], *, kvtier: dict | 
         argv.append("--one-process")
     if kv_events:
         argv += ["--kv-events", kv_events]
+    if kv_transfer_params is not None:
+        argv += ["--kv-transfer-params", json.dumps(kv_transfer_params)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the same CPU binding with and without a connector
     env.update(env_extra or {})

@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--logprobs", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--kv-transfer-params", default=None,
+                    help="JSON object sent with every request as its kv_transfer_params (e.g. kvtier retention hints)")
     ap.add_argument("--kv-events", default=None, help="publish vLLM's KV cache events (and kvtier's) on this ZMQ endpoint")
     ap.add_argument("--warmup", action="store_true", help="send one short unrelated prompt first (not reported)")
     ap.add_argument("--one-process", action="store_true",
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
     engine_seconds = time.perf_counter() - started
     with open(args.prompts) as f:
         prompts = json.load(f)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs or None)
+    extra = {"kv_transfer_params": json.loads(args.kv_transfer_params)} if args.kv_transfer_params else None
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs or None, extra_args=extra)
     if args.warmup:
         llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1100)))], SamplingParams(max_tokens=1),
                      use_tqdm=False)

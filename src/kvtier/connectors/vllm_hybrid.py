@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvtier.connectors.vllm_layout import as_torch, block_views, gather_chunk, scatter_chunk
 from kvtier.connectors.vllm_scheduler import scheduled_again
 from kvtier.errors import InputError
+from kvtier.hints import RetentionHint
 
 logger = logging.getLogger("vllm.kvtier_connector")
 
@@ -65,6 +66,7 @@ class HybridSave:
     extra_keys: list | None
     lo: int
     block_ids: list[list[int]]
+    hint: RetentionHint | None = None  # the request's retention hint (kv_transfer_params)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class _HybridTrack:
     stored_upto: list[int]  # per part: chunks before this are held (or asked for)
     store_limit: int
     keep_from: list[int] = field(default_factory=list)  # per part: the first chunk worth storing
+    hint: RetentionHint | None = None
 
 
 class HybridScheduler:
@@ -169,16 +172,16 @@ class HybridScheduler:
             loads.pop(new.req_id, None)
             tokens = list(new.prompt_token_ids or [])
             limit = len(tokens)
-            ns, extra, loaded = "", None, 0
+            ns, extra, loaded, hint = "", None, 0, None
             if look is not None:
-                ns, extra, loaded = look.namespace, look.extra_keys, look.end
+                ns, extra, loaded, hint = look.namespace, look.extra_keys, look.end, look.controls.hint
                 if look.controls.max_store_tokens is not None:
                     limit = look.controls.max_store_tokens
                 if look.seen_upto is not None:  # connector.store_after_seen
                     limit = min(limit, look.seen_upto)
             done = loaded // self.chunk_size * self.chunk_size
             track = _HybridTrack(tokens, ns, extra, [list(t) for t in new.block_ids],
-                                 [done] * len(self.groups.parts), limit)
+                                 [done] * len(self.groups.parts), limit, hint=hint)
             track.keep_from = self._keep_from(track)
             self._hybrid_tracks[new.req_id] = track
             self._hybrid_plan_save(meta, new.req_id, new.num_computed_tokens,
@@ -212,7 +215,7 @@ class HybridScheduler:
                 nb = -(-hi // part.block_size)
                 meta.hybrid_saves.append(HybridSave(req_id, i, track.token_ids[:hi], track.namespace,
                                                     track.extra_keys, lo,
-                                                    [list(track.tables[g][:nb]) for g in part.group_ids]))
+                                                    [list(track.tables[g][:nb]) for g in part.group_ids], track.hint))
                 track.stored_upto[i] = hi
         if not self.can_store or all(s >= last for s in track.stored_upto):
             self._hybrid_tracks.pop(req_id, None)
@@ -288,7 +291,8 @@ class HybridWorker:
             backend = self.link.backends[op.part]
             if backend is not None:
                 self.link.call("store", backend.store_chunks, op.token_ids, self._filler(op), default=0,
-                               start=op.lo, **self.link.ns_kw(op.namespace, op.extra_keys, len(op.token_ids)))
+                               start=op.lo, hint=op.hint,
+                               **self.link.ns_kw(op.namespace, op.extra_keys, len(op.token_ids)))
 
     def _filler(self, op: HybridSave):
         part = self.groups.parts[op.part]

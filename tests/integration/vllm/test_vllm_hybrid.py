@@ -5,7 +5,8 @@ One module-wide scenario, each step a fresh vLLM process (``examples/vllm/offlin
 ``vllm serve``'s engine core and worker processes, the other steps in one process, ``one_process``):
   * vLLM alone computes the prompts (the reference);
   * vLLM + kvtier computes them once (stores): each group's part as its own chunks, the sliding-window part only
-    the chunks of its window;
+    the chunks of its window; the requests carry a retention hint (``kv_transfer_params``), which every part's
+    chunks get;
   * a fresh vLLM + kvtier loads them: same greedy tokens and top-3 log-probabilities (1e-4) as vLLM alone;
   * the kvtier server restarted over the same L2 with every L2 read failing: the load fails, vLLM recomputes the
     request (failed receive), same output again.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from test_vllm_support import assert_same_output, by_prompt
 
@@ -26,6 +28,8 @@ CHUNK = 256
 BLOCK = 128  # vLLM CPU's block size for every Gemma-3 group
 WINDOW = 512  # Gemma-3's sliding window
 PROMPT_TOKENS = (1200, 1100)
+TOKEN = "hybrid-admin-token"
+HINT = {"kvtier.session_id": "hybrid-agent", "kvtier.priority": 2, "kvtier.ttl_seconds": 600}
 
 
 def _expected_chunks(num_tokens: int) -> tuple[int, int]:
@@ -45,11 +49,14 @@ def scenario(tmp_path_factory):
     prompts = [ids[:PROMPT_TOKENS[0]], ids[2000:2000 + PROMPT_TOKENS[1]]]
     disk = {"type": "local_disk", "path": str(work / "l2")}
     out = {"prompts": prompts, "reference": run_vllm(work, "alone", prompts, model=model, one_process=True)}
-    server = ServerProcessForVLLM(work, chunk_size=CHUNK, l2=disk, block_size=BLOCK)
+    server = ServerProcessForVLLM(work, chunk_size=CHUNK, l2=disk, block_size=BLOCK, token=TOKEN)
     try:
         kvtier = {"kvtier.server_url": server.url, "kvtier.timeout_seconds": 5}
-        out["cold"] = run_vllm(work, "cold", prompts, kvtier=kvtier, model=model, one_process=True)
+        out["cold"] = run_vllm(work, "cold", prompts, kvtier=kvtier, model=model, one_process=True,
+                               kv_transfer_params=HINT)
         out["stored"] = metric_sum(server.metrics_text(), "kvtier_store_chunks_total")
+        out["sessions"] = httpx.get(f"{server.admin}/cache/sessions", timeout=10,
+                                    headers={"Authorization": f"Bearer {TOKEN}"}).json()["sessions"]
         out["fresh"] = run_vllm(work, "fresh", prompts, kvtier=kvtier, model=model)
         out["stored_after_fresh"] = metric_sum(server.metrics_text(), "kvtier_store_chunks_total")
         port, admin_port = server.port, server.admin_port
@@ -80,6 +87,13 @@ def test_sliding_window_part_stores_only_its_window(scenario):
     assert sum(sliding) < sum(full)  # the window is shorter than the prompts: fewer chunks than full attention
     assert scenario["stored"] == sum(full) + sum(sliding)
     assert scenario["stored_after_fresh"] == scenario["stored"]  # the fresh process loaded and stored nothing new
+
+
+def test_retention_hint_reaches_every_part(scenario):
+    """The requests' ``kvtier.*`` hint is passed by the hybrid save path: every stored chunk, of the full-attention
+    and the sliding-window parts alike, is in the hinted session."""
+    rows = scenario["sessions"]
+    assert [(r["session_id"], r["num_chunks"]) for r in rows] == [("hybrid-agent", scenario["stored"])], rows
 
 
 def test_failed_load_is_recomputed_with_identical_output(scenario):
