@@ -86,8 +86,16 @@ def test_protected_peak_counts_sessions_until_their_ttl_runs_out():
     assert short < long <= agent_plan.all_sessions_chunks(SHAPE, schedule())
 
 
-def test_flood_horizon_and_bad_schedules():
+def test_horizons_prefill_and_bad_schedules():
     assert agent_plan.flood_horizon_seconds(58, SHAPE, schedule()) == pytest.approx(58 * 3.0 / 8)
+    reqs = [agent_plan.PlannedRequest(0.0, "system"), agent_plan.PlannedRequest(1.0, "turn", 0, 0),
+            agent_plan.PlannedRequest(5.0, "doc", doc=0), agent_plan.PlannedRequest(10.0, "turn", 0, 3)]
+    # stored in 10 s: 1 + 8 + 5 chunks; an LRU of 28 chunks keeps one for 20 s
+    assert agent_plan.lru_horizon_seconds(28, reqs, SHAPE) == pytest.approx(20.0)
+    assert agent_plan.prefill_tokens(reqs, SHAPE) == 1500 + 1716 + 2048 + 2796
+    # the sessions' own stores shorten the LRU's memory below what the documents alone give
+    full = agent_plan.plan(schedule())
+    assert agent_plan.lru_horizon_seconds(58, full, SHAPE) < agent_plan.flood_horizon_seconds(58, SHAPE, schedule())
     with pytest.raises(ValueError, match="2 turns"):
         schedule(turns=1)
     with pytest.raises(ValueError, match="min <= max"):
