@@ -12,7 +12,9 @@ reply awaited), so the promotion into L1 overlaps vLLM's scheduling instead of s
 The save plan costs as little as the scheduler can make it (issue 12): vLLM asks ``get_num_new_matched_tokens``
 again at every scheduling attempt of a request that waits for KV blocks, so the first lookup of a request is kept
 and reused until the request is scheduled (``kvtier_connector_lookups_total{reused="true"}``); chunks the lookup
-found in kvtier are never offered for saving (the worker copies only what lies past them); and with
+found in kvtier are never offered for saving (the worker copies only what lies past them), except that a request
+with a retention hint whose whole chunks kvtier all holds is stored once anyway, to renew its hint (a store of
+held chunks copies nothing); and with
 ``connector.store_after_seen`` N > 1 a chunk is stored only once N prompts have contained it (counted by vLLM's
 own block hashes), so a prefix seen once costs no copy at all.
 """
@@ -58,6 +60,7 @@ class SaveOp:
     block_ids: list[int]
     extra_keys: list | None = None
     hint: RetentionHint | None = None  # the request's retention hint (kv_transfer_params)
+    renew: bool = False  # kvtier held every chunk already: the store only renews the hint (nothing staged)
 
 
 @dataclass
@@ -91,6 +94,7 @@ class _Track:
     store_limit: int  # store no chunk ending after this token (the request's max_offload_tokens)
     extra_keys: list | None = None  # per block of the prompt
     hint: RetentionHint | None = None
+    renew: bool = False  # a hinted prompt kvtier already holds whole: one store of it still renews the hint
 
 
 def scheduled_again(scheduler_output, tables: dict[str, list[list[int]]]):
@@ -235,6 +239,8 @@ class SchedulerSide:
                 limit = min(limit, look.seen_upto)
             track = _Track(tokens, look.namespace, list(new.block_ids[0]), look.hit, limit, look.extra_keys,
                            look.controls.hint)
+            track.renew = bool(track.hint and track.hint.protects) and look.hit >= min(len(tokens), limit) // \
+                self.chunk_size * self.chunk_size > 0
             if new.req_id in self._loads:
                 start, end, _ = self._loads.pop(new.req_id)
                 # the tokens up to the end of the chunk holding ``end``: a chunk's key needs all its tokens (vLLM
@@ -253,16 +259,21 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, computed_end: int) -> None:
+        """Plan the store of the whole chunks computed by ``computed_end`` that kvtier lacks. A hinted prompt whose
+        chunks kvtier all held at the lookup (a turn that added less than a chunk) is stored once all of them are
+        in vLLM's blocks: nothing is copied unless a chunk was evicted meanwhile, and the hint is renewed."""
         track = self._tracks[req_id]
         c = self.chunk_size
         last = min(len(track.token_ids), track.store_limit) // c * c
         end = min(computed_end, last) // c * c
-        if self.can_store and self.link.backend is not None and end > track.stored_upto:
+        can = self.can_store and self.link.backend is not None
+        renew = can and track.renew and end == last
+        if can and (end > track.stored_upto or renew):
             nb = -(-end // self.block_size)
             meta.saves.append(SaveOp(req_id, track.token_ids[:end], track.namespace, track.block_ids[:nb],
-                                     track.extra_keys, track.hint))
-            track.stored_upto = end
-        if track.stored_upto >= last or not self.can_store:
+                                     track.extra_keys, track.hint, renew=renew))
+            track.stored_upto, track.renew = max(track.stored_upto, end), False
+        if (track.stored_upto >= last and not track.renew) or not self.can_store:
             self._tracks.pop(req_id, None)  # nothing more to store for this prompt
 
     def request_finished(self, request, block_ids):

@@ -141,9 +141,9 @@ class WorkerSide:
         i = self._layer_index.get(layer_name)
         if i is None or not isinstance(meta, KVTierConnectorMetadata) or not meta.saves:
             return
-        if not self._layer_saves:
+        if not self._layer_saves:  # a renewal copies nothing unless a chunk went missing: from the blocks then
             self._layer_saves = [(torch.empty(self.layout.chunk_shape(len(op.token_ids)), dtype=kv_layer.dtype), op)
-                                 for op in meta.saves]
+                                 for op in meta.saves if not op.renew]
         for buf, op in self._layer_saves:
             gather_layer(kv_layer, op.block_ids, self.block_size, len(op.token_ids), out=buf[i])
 
@@ -158,7 +158,8 @@ class WorkerSide:
         if not isinstance(meta, KVTierConnectorMetadata) or backend is None or not meta.saves:
             return
         started = time.perf_counter()
-        sources = staged if self.layerwise else [(None, op) for op in meta.saves]
+        sources = staged + [(None, op) for op in meta.saves if op.renew] if self.layerwise else \
+            [(None, op) for op in meta.saves]
         stored = 0
         for buf, op in sources:
             stored += self.link.call("store", backend.store_chunks, op.token_ids, self._filler(op, buf), default=0,

@@ -2,7 +2,8 @@
 
 * per-tier hit reporting: vLLM's ``vllm:prompt_tokens_cached_by_source`` (host, disk) equals kvtier's
   ``kvtier_lookup_hit_tokens_total`` (CPU = L1, STORAGE = L2) exactly over a scripted run of 20 requests;
-* per-request controls through ``kv_transfer_params``; an unknown kvtier key is refused by name;
+* per-request controls through ``kv_transfer_params``; an unknown kvtier key is refused by name; a retention hint
+  reaches the server's L1, and a hinted request that adds no whole chunk still renews it;
 * ``reset_prefix_cache`` with the connector keeps kvtier's data, and says so.
 
 vLLM's own prefix cache is off, so every cached token reported by vLLM came from kvtier. Prompts of 700 tokens
@@ -133,3 +134,26 @@ def test_identical_request_stores_nothing_new(vllm, kvtier, ids):
     assert cached_tokens(again) == 512
     assert store_counts(kvtier) == after_first, "the chunks the lookup found are never offered for saving"
     assert_same_reply(again, first, "identical request")
+
+
+def sessions(kvtier) -> dict[str, int]:
+    """session_id -> chunks L1 holds under its hints (the management API)."""
+    rows = httpx.get(f"{kvtier.admin}/cache/sessions", timeout=10,
+                     headers={"Authorization": f"Bearer {TOKEN}"}).json()["sessions"]
+    return {row["session_id"]: row["num_chunks"] for row in rows}
+
+
+def test_retention_hint_reaches_kvtier_and_a_turn_adding_no_chunk_renews_it(vllm, kvtier, ids):
+    """``kvtier.*`` hints in ``kv_transfer_params`` go with the store; a later turn that adds less than a chunk
+    (kvtier holds all its whole chunks: nothing new to store) still puts them under its own hint (here: its
+    session), where before it left the first turn's hint to run out."""
+    first = ids[1050:1650]  # 600 tokens, 2 whole chunks; no other test's prompt starts at 1050
+    vllm.complete(first, {"kvtier.session_id": "agent-a", "kvtier.priority": 1, "kvtier.ttl_seconds": 600})
+    assert sessions(kvtier).get("agent-a") == 2
+    stored = store_counts(kvtier)[1]
+    turn = vllm.complete(ids[1050:1750], {"kvtier.session_id": "agent-b", "kvtier.priority": 1,
+                                          "kvtier.ttl_seconds": 600})
+    assert cached_tokens(turn) == 512
+    assert store_counts(kvtier)[1] == stored, "the renewal stored no chunk"
+    got = sessions(kvtier)
+    assert got.get("agent-b") == 2 and "agent-a" not in got, got
