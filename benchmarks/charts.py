@@ -137,7 +137,9 @@ def main() -> None:
          "ratio", OUT / "ratios.png", line=1.0)
     with open(HERE / "multi_round_qa.csv", newline="") as f:
         multi_round_qa_chart(list(csv.DictReader(f)), OUT / "multi_round_qa.png")
-    print(f"wrote {OUT}/demo_ttft.png, l2_restart.png, ratios.png, multi_round_qa.png")
+    with open(HERE / "agent_sessions.csv", newline="") as f:
+        agent_sessions_chart(list(csv.DictReader(f)), OUT / "agent_sessions.png")
+    print(f"wrote {OUT}/demo_ttft.png, l2_restart.png, ratios.png, multi_round_qa.png, agent_sessions.png")
 
 
 if __name__ == "__main__":
