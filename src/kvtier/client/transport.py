@@ -91,6 +91,9 @@ class Transport:
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._monitor = self._sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS | FAILED_EVENTS)
+        self._poller = zmq.Poller()  # a round trip waits for its reply or a connection event
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._linked = False
         self._sock.connect(self.url)
 
@@ -177,15 +180,12 @@ class Transport:
             self._mark_down("send queue full or no connection")
             return None, []
         deadline = time.monotonic() + timeout
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._mark_down(f"no reply within {timeout:g} s")
                 return None, []
-            ready = dict(poller.poll(int(left * 1000) + 1))
+            ready = dict(self._poller.poll(int(left * 1000) + 1))
             if self._monitor in ready:
                 self._drain_monitor()
                 if not self._linked:  # the peer went away: its reply will never come
