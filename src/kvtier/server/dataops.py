@@ -38,7 +38,7 @@ class DataOps:
         metrics: the server's metrics (counted here: store / retrieve seconds, lease expiries, promotions).
         tiers: the shared ``Tiers`` (L1 slots are reserved and pinned here; L2 is only asked through its index).
         sessions: the server's sessions by connection identity (read only here: a promotion's client may be gone).
-        limits, quarantine: the server's ``ClientLimits`` and ``Quarantine`` (``server/limits.py``).
+        limits, quarantine: the server's ``ClientLimits`` and ``LeaseQuarantine`` (``server/limits.py``).
         promoter, lookups: the promotion pool and the lookup prober (``server/promote.py``, ``server/lookup.py``).
         lock: the server's lock (``answer_promotions`` runs outside the request dispatch and takes it).
         send: ``send(identity, reply, frames)``, the server's reply path.

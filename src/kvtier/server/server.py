@@ -41,7 +41,7 @@ from kvtier.server.manage import KnownCaches
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
 from kvtier.server.listen import RequestSocket
-from kvtier.server.limits import ClientLimits, Quarantine
+from kvtier.server.limits import ClientLimits, LeaseQuarantine
 from kvtier.server.principals import Principals, principal_of
 from kvtier.server.session import (
     HandshakeRefused,
@@ -118,7 +118,7 @@ class KVTierServer:
         self.lookups = LookupProber(self.tiers, self.promoter, srv.lookup_probe_timeout_seconds, self.metrics)
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
         self.principals = Principals(self.limits)
-        self.quarantine = Quarantine(self.tiers.l1, self.metrics)
+        self.quarantine = LeaseQuarantine(self.tiers.l1, self.metrics)
         self.flushes = Flushes(self.tiers.l2, self._send)
         self.data = DataOps(config, self.metrics, self.tiers, self.sessions, self.limits, self.quarantine, self.promoter,
                             self.lookups, self.lock, self._send, self.trace)
