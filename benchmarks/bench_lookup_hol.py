@@ -7,8 +7,9 @@ L1 holds about a quarter of the ``--prompts`` prompts (``--chunks`` chunks of 25
 prompts live only in L2. For ``--duration`` seconds, ``--clients`` client processes look up a random prompt
 (an L1 hit, an L2-only hit answered from the adapter's index, or, one time in eight, a prompt never stored),
 while one more process keeps the L2 busy the way engines do: it retrieves random prompts (an L2-only one is
-promoted through the slow adapter) and stores new ones (written through it). Only the lookups are timed (wall
-clock around ``Client.lookup``, round trip included).
+promoted through the slow adapter) and stores new ones (written through it); ``--no-l2-load``: that process
+does nothing, so the lookups run alone, as the floor's. Only the lookups are timed (wall clock around
+``Client.lookup``, round trip included).
 
 With ``--l2 redis`` the wrapped adapter is a Redis (``--redis-url``, a fresh key prefix, deleted afterwards)
 instead of local_disk: an L2 other servers may write to, so every lookup its index answers short (the prompts
@@ -129,10 +130,16 @@ def lookup_loop(url: str, pool: list[list[int]], duration: float, rate: float, i
     out.put((lat, kinds))
 
 
-def l2_loop(url: str, pool: list[list[int]], duration: float, rate: float, seed: int, start, out) -> None:
+def l2_loop(url: str, pool: list[list[int]], duration: float, rate: float, seed: int, start, out,
+            busy: bool = True) -> None:
+    """The engines' loads and saves (``busy`` False, ``--no-l2-load``: none, only the lookups)."""
     rng = random.Random(seed)
     gaps = np.random.default_rng(seed)
     done = {"retrieves": 0, "stores": 0}
+    if not busy:
+        start.wait()
+        out.put(done)
+        return
     with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=30) as client:
         client.ping()
         start.wait()
@@ -263,7 +270,8 @@ def measure(work: str, delay_seconds: float, rate: float, args, pool) -> dict:
         procs = [ctx.Process(target=lookup_loop, args=(url, pool, args.duration, rate, args.interval_seconds, i, start,
                                                           out))
                  for i in range(args.clients)]
-        procs.append(ctx.Process(target=l2_loop, args=(url, pool, args.duration, rate, 99, start, l2_out)))
+        procs.append(ctx.Process(target=l2_loop, args=(url, pool, args.duration, rate, 99, start, l2_out,
+                                                     not args.no_l2_load)))
         for p in procs:
             p.start()
         results = [out.get(timeout=args.duration + 300) for _ in range(args.clients)]
@@ -309,6 +317,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=8, help="chunks of 256 tokens per prompt")
     ap.add_argument("--no-floor", action="store_true", help="skip the transport floor (bare pyzmq round trips)")
     ap.add_argument("--no-auth", action="store_true", help="servers and floor without CurveZMQ (default: both with it)")
+    ap.add_argument("--no-l2-load", action="store_true",
+                    help="no retrieves and stores meanwhile: the lookups alone, as the floor's clients")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if set(modes) - {"paced", "saturated"} or args.rate_per_client <= 0:

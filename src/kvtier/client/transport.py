@@ -192,14 +192,17 @@ class Transport:
                     self._mark_down("connection lost", backoff=False)
                     return None, []
             if self._sock in ready:
-                parts = self._sock.recv_multipart(copy=False)
+                header = self._sock.recv()  # a small msgpack map: copied; KV frames after it are not
+                payload = []
+                while self._sock.getsockopt(zmq.RCVMORE):
+                    payload.append(self._sock.recv(copy=False))
                 try:
-                    reply = P.decode_reply(parts[0].buffer)
+                    reply = P.decode_reply(header)
                 except Exception:  # noqa: BLE001 -- whatever the bytes, a bad reply is dropped, never raised
                     log.warning("undecodable reply from %s dropped", self.url)
                     continue
                 if reply.id == msg.id:
-                    return reply, parts[1:]
+                    return reply, payload
                 # a late reply to an earlier, abandoned request: ignore it
 
     def call(self, msg, frames=(), retry: bool = True, deadline: float | None = None) -> tuple[object | None, list]:
