@@ -68,7 +68,8 @@ class PromptKeys:
         """(token array, namespace, checked extra keys, memo key); the ids' sign is not checked yet."""
         arr = as_token_array(tokens, check_ids=False)
         ns = self.namespace if namespace is None else namespace
-        extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), self.config.effective_block_size))
+        extra = None if extra_keys is None else check_extra_keys(
+            extra_keys, num_blocks_of(len(arr), self.config.effective_block_size))
         return arr, ns, extra, (self.model, self.key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(np.ascontiguousarray(arr)),
                                 extra)
 

@@ -66,8 +66,8 @@ class LookupProber:
         cache = session.cache
         arr, refs = session.chunk_refs(msg)
         hits = cache.tier_hits(refs, msg.start, probe=not self.enabled)  # validates start
-        rest = [r.key for r in refs[msg.start // cache.chunk_size:] if r.end > hits.num_tokens]  # not held
-        if self.enabled and rest:
+        rest = [r.key for r in refs[msg.start // cache.chunk_size:] if r.end > hits.num_tokens] if self.enabled else ()
+        if rest:  # not held, over an L2 whose index may lag
             if self._probe(identity, session, msg, rest[:PROBE_NAMES]):
                 return None
             hits = cache.tier_hits(refs, msg.start)  # the probe skipped: the index's own background probe then

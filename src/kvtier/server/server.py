@@ -134,10 +134,10 @@ class KVTierServer:
         # the request thread wakes from poll needing the GIL: a busy helper thread (promotion, writer, admin)
         # would keep it for up to the 5 ms default switch interval, a lookup takes ~0.1 ms
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_SECONDS))
+        promoted, hashed = self.promoter.fileno(), self.prehash.fileno()
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.promoter.fileno(), zmq.POLLIN)
-        poller.register(self.prehash.fileno(), zmq.POLLIN)
+        for readable in (self.sock, promoted, hashed):
+            poller.register(readable, zmq.POLLIN)
         srv = self.config.server
         tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
         while not self.stopping.is_set():
@@ -146,16 +146,18 @@ class KVTierServer:
             ready = dict(poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)))
             # only what is readable: an empty pipe or socket read costs an exception, several per request
             alone = self._receive() if self.sock in ready else None
-            if self.promoter.fileno() in ready:
+            if promoted in ready:
                 self.data.answer_promotions(self.promoter.take_ready())
-            if self.prehash.fileno() in ready:
+            if hashed in ready:
                 self._answer_hashed(self.prehash.take_ready())
             if alone is not None:  # a round of one request
                 self._dispatch(alone)
             for frames in self.turns.next_round():  # then the socket is read again: a new request waits one round
                 self._dispatch(frames)
-            self.data.answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
-            self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
+            if self.promoter.waiting:  # deferred replies past their deadline
+                self.data.answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
+            if self.prehash.waiting:
+                self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
             self._expire()
         with self.lock:
             self.data.abort_all()
