@@ -289,11 +289,9 @@ class L1Store:
     def leading(self, keys: Iterable[Hashable]) -> int:
         """How many of ``keys``, from the first, are committed (``contains`` of each, under one lock)."""
         n = 0
-        entries = self._entries
         with self._lock:
             for key in keys:  # _visible, inline: a lookup asks this for every chunk of its prompt
-                entry = entries.get(key)
-                if entry is None or not entry.committed:
+                if (entry := self._entries.get(key)) is None or not entry.committed:
                     break
                 n += 1
         return n
