@@ -271,3 +271,17 @@ def test_a_hinted_session_outlives_other_prompts_in_a_full_l2(tmp_path, hinted):
         if hinted:
             kv, num_tokens = cache.retrieve(session)
             assert num_tokens == 4 * CHUNK and torch.equal(kv, kv_for(session))
+
+
+def test_lookups_are_counted_by_medium_from_start(tmp_path):
+    cache = make_cache(tmp_path, disk=False)
+    tokens = list(range(3 * CHUNK))
+    cache.store(tokens[:2 * CHUNK], kv_for(tokens[:2 * CHUNK]))
+    assert cache.lookup(tokens, start=CHUNK) == 2 * CHUNK
+    m = cache.metrics
+    assert m.value("kvtier_lookup_requests_total") == 1 and m.value("kvtier_lookup_tokens_total") == 3 * CHUNK
+    assert m.value("kvtier_lookup_hit_tokens_total", medium="CPU") == CHUNK  # from start's chunk on
+    assert m.value("kvtier_lookup_hit_tokens_total", medium="STORAGE") == 0
+    with pytest.raises(KeyError, match="medium"):  # counted together under one lock, checked all the same
+        m.inc_many((("kvtier_lookup_hit_tokens_total", 1, ()),))
+    cache.close()
