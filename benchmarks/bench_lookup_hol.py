@@ -7,8 +7,9 @@ L1 holds about a quarter of the ``--prompts`` prompts (``--chunks`` chunks of 25
 prompts live only in L2. For ``--duration`` seconds, ``--clients`` client processes look up a random prompt
 (an L1 hit, an L2-only hit answered from the adapter's index, or, one time in eight, a prompt never stored),
 while one more process keeps the L2 busy the way engines do: it retrieves random prompts (an L2-only one is
-promoted through the slow adapter) and stores new ones (written through it). Only the lookups are timed (wall
-clock around ``Client.lookup``, round trip included).
+promoted through the slow adapter) and stores new ones (written through it); ``--no-l2-load``: that process
+does nothing, so the lookups run alone, as the floor's. Only the lookups are timed (wall clock around
+``Client.lookup``, round trip included).
 
 With ``--l2 redis`` the wrapped adapter is a Redis (``--redis-url``, a fresh key prefix, deleted afterwards)
 instead of local_disk: an L2 other servers may write to, so every lookup its index answers short (the prompts
@@ -28,10 +29,13 @@ Before the promotion pool, every lookup queued behind the promotion being served
 lookup p50 and p99 for each server, the promotions and L2 writes done meanwhile, the offered lookup rate, and
 the ratio delayed / baseline of p99 (target: p99 <= 1 ms with the delay).
 
-Transport floor (same run, each mode): the same client processes at the same pacing send the same request bytes
-(an encoded ``Lookup`` of a pool prompt) over loopback TCP from pyzmq DEALER sockets to a bare pyzmq ROUTER loop in Python that
-answers each with 64 bytes, no CurveZMQ, no kvtier: what a Python request/reply costs on this machine, so the
-kvtier figure can be read against it (``--no-floor`` skips it).
+Transport floor (same run, each mode): the same client processes at the same pacing, drawing prompts the same way
+(the same seeds: a pool prompt, or one time in eight a fresh one), build the same ``Lookup`` from the token list
+(``P.pack_tokens`` + ``P.encode``, as ``Client.lookup`` does) and send it over loopback TCP from a pyzmq DEALER to a
+bare pyzmq ROUTER loop in Python that answers each with the encoded ``LookupReply`` kvtier sends (no kvtier);
+the client decodes it. Both sockets use CurveZMQ as the kvtier servers do (``--no-auth``: neither). So the floor
+is what this request/reply costs on this machine in Python, and the kvtier figure over it is the kvtier client's
+bookkeeping plus the server's work (``--no-floor`` skips it).
 
 Run: ``.venv/bin/python benchmarks/bench_lookup_hol.py`` (defaults: 8 clients, 0.1 s, 20 s per server, both modes).
 """
@@ -72,12 +76,14 @@ def kv_for(tokens: list[int]) -> np.ndarray:
     return np.full(LAYOUT.chunk_shape(len(tokens)), tokens[0] % 97, dtype=LAYOUT.numpy_dtype())
 
 
-def start_server(work: str, delay_seconds: float, l1_bytes: int, inner: dict | None = None) -> ServerProcess:
-    """A ``kvtier server`` whose L2 (``inner``, default local disk) answers every call after ``delay_seconds``."""
+def start_server(work: str, delay_seconds: float, l1_bytes: int, inner: dict | None = None,
+                 auth: bool = True) -> ServerProcess:
+    """A ``kvtier server`` whose L2 (``inner``, default local disk) answers every call after ``delay_seconds``;
+    CurveZMQ on unless ``auth`` is False."""
     inner = inner or {"type": "local_disk", "path": f"{work}/l2-{time.monotonic_ns()}"}
     spec = {"type": "faulty", "latency_seconds": delay_seconds, "inner": inner}
-    return ServerProcess(Path(work), CHUNK, f"{l1_bytes}B", l2=spec, extra=("--log-level", "ERROR"),
-                        startup_timeout_seconds=120)
+    return ServerProcess(Path(work), CHUNK, f"{l1_bytes}B", l2=spec,
+                         extra=("--log-level", "ERROR", *(() if auth else ("--no-auth",))), startup_timeout_seconds=120)
 
 
 def counter(server: ServerProcess, name: str) -> float:
@@ -124,10 +130,16 @@ def lookup_loop(url: str, pool: list[list[int]], duration: float, rate: float, i
     out.put((lat, kinds))
 
 
-def l2_loop(url: str, pool: list[list[int]], duration: float, rate: float, seed: int, start, out) -> None:
+def l2_loop(url: str, pool: list[list[int]], duration: float, rate: float, seed: int, start, out,
+            busy: bool = True) -> None:
+    """The engines' loads and saves (``busy`` False, ``--no-l2-load``: none, only the lookups)."""
     rng = random.Random(seed)
     gaps = np.random.default_rng(seed)
     done = {"retrieves": 0, "stores": 0}
+    if not busy:
+        start.wait()
+        out.put(done)
+        return
     with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=30) as client:
         client.ping()
         start.wait()
@@ -137,18 +149,35 @@ def l2_loop(url: str, pool: list[list[int]], duration: float, rate: float, seed:
             if rate > 0:  # an engine's loads and saves, about one each per request
                 due = pause(gaps, rate, 0.0, due)
             client.retrieve(rng.choice(pool))  # mostly L2-only: promoted through the slow adapter
-            fresh = [rng.randrange(50_000) for _ in range(len(pool[0]))]
+            fresh = gaps.integers(0, 50_000, len(pool[0])).tolist()  # cheap: this process shares the CPUs
             client.store(fresh, kv_for(fresh))  # written through it, and evicts older prompts from L1
             done["retrieves"] += 1
             done["stores"] += 1
     out.put(done)
 
 
-def echo_server(url: str, stop) -> None:
+def curve_keys(auth: bool) -> dict | None:
+    """CurveZMQ key pairs for the floor's server and clients (None: no CurveZMQ, as with ``--no-auth``)."""
+    if not auth:
+        return None
+    import zmq
+
+    (server_public, server_secret), (client_public, client_secret) = zmq.curve_keypair(), zmq.curve_keypair()
+    return {"server_public": server_public, "server_secret": server_secret, "client_public": client_public,
+            "client_secret": client_secret}
+
+
+FLOOR_REPLY = P.encode(P.LookupReply(id=1, num_tokens=CHUNK * 8, num_l1_tokens=CHUNK * 2))  # a kvtier reply's size
+
+
+def echo_server(url: str, stop, keys: dict | None = None, reply: bytes = FLOOR_REPLY) -> None:
+    """The floor's server: a bare pyzmq ROUTER answering every request with ``reply`` until ``stop`` is set."""
     import zmq
 
     ctx = Context()
     sock = ctx.socket(zmq.ROUTER)
+    if keys:
+        sock.curve_server, sock.curve_secretkey = True, keys["server_secret"]
     sock.bind(url)
     while not stop.is_set():
         if sock.poll(100):
@@ -157,26 +186,42 @@ def echo_server(url: str, stop) -> None:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                sock.send_multipart([frames[0], b"r" * 64])
+                sock.send_multipart([frames[0], reply])
     sock.close(0)
     ctx.term()
 
 
-def echo_loop(url: str, request: bytes, duration: float, rate: float, interval: float, seed: int, start, out) -> None:
+def floor_socket(ctx, url: str, keys: dict | None):
+    """A DEALER to the floor's server (CurveZMQ with ``keys``)."""
     import zmq
 
+    sock = ctx.socket(zmq.DEALER)
+    if keys:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+            keys["server_public"], keys["client_public"], keys["client_secret"])
+    sock.connect(url)
+    return sock
+
+
+def floor_lookup(sock, tokens) -> P.LookupReply:
+    """One floor round trip: the request ``Client.lookup`` would send for ``tokens``, its reply decoded."""
+    sock.send(P.encode(P.Lookup(id=1, tokens=P.pack_tokens(tokens))))
+    return P.decode_reply(sock.recv())
+
+
+def echo_loop(url: str, keys: dict | None, pool: list[list[int]], duration: float, rate: float, interval: float,
+              seed: int, start, out) -> None:
     rng = np.random.default_rng(seed)
     ctx = Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(url)
-    sock.send(request)
-    sock.recv()
+    sock = floor_socket(ctx, url, keys)
+    floor_lookup(sock, pool[0])
     start.wait()
     lat = []
     for _ in paced(rng, duration, rate, interval):
+        fresh = rng.random() < 1 / 8  # prompts drawn as lookup_loop draws them
+        tokens = rng.integers(0, 50_000, len(pool[0])).tolist() if fresh else pool[rng.integers(len(pool))]
         t0 = time.perf_counter()
-        sock.send(request)
-        sock.recv()
+        floor_lookup(sock, tokens)
         lat.append(time.perf_counter() - t0)
     sock.close(0)
     ctx.term()
@@ -184,16 +229,17 @@ def echo_loop(url: str, request: bytes, duration: float, rate: float, interval: 
 
 
 def floor(rate: float, args, pool) -> dict:
-    """The transport floor: p50 / p99 of bare pyzmq round trips of a lookup's request bytes (module docstring)."""
+    """The transport floor: p50 / p99 of bare pyzmq round trips of the same requests (module docstring)."""
     ctx = mp.get_context("spawn")
     with socket.socket() as probe:  # a free loopback TCP port, as the kvtier server's
         probe.bind(("127.0.0.1", 0))
         url = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
     stop, out, start = ctx.Event(), ctx.Queue(), ctx.Barrier(args.clients + 1)
-    request = P.encode(P.Lookup(id=1, tokens=P.pack_tokens(pool[0])))
-    server = ctx.Process(target=echo_server, args=(url, stop))
+    keys = curve_keys(not args.no_auth)
+    server = ctx.Process(target=echo_server, args=(url, stop, keys))
     server.start()
-    procs = [ctx.Process(target=echo_loop, args=(url, request, args.duration, rate, args.interval_seconds, i, start, out))
+    procs = [ctx.Process(target=echo_loop, args=(url, keys, pool, args.duration, rate, args.interval_seconds, i, start,
+                                                 out))
              for i in range(args.clients)]
     procs.append(ctx.Process(target=start.wait))  # the L2 process's place in the barrier
     for p in procs:
@@ -211,7 +257,7 @@ def measure(work: str, delay_seconds: float, rate: float, args, pool) -> dict:
     l1_bytes = max(len(pool) * args.chunks * chunk_bytes // 4, 4 * args.chunks * chunk_bytes)
     prefix = f"bench-hol-{uuid.uuid4().hex}/"
     inner = {"type": "redis", "url": args.redis_url, "prefix": prefix} if args.l2 == "redis" else None
-    server = start_server(work, delay_seconds, l1_bytes, inner)
+    server = start_server(work, delay_seconds, l1_bytes, inner, auth=not args.no_auth)
     url = server.url
     try:
         with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=60) as setup:
@@ -224,7 +270,8 @@ def measure(work: str, delay_seconds: float, rate: float, args, pool) -> dict:
         procs = [ctx.Process(target=lookup_loop, args=(url, pool, args.duration, rate, args.interval_seconds, i, start,
                                                           out))
                  for i in range(args.clients)]
-        procs.append(ctx.Process(target=l2_loop, args=(url, pool, args.duration, rate, 99, start, l2_out)))
+        procs.append(ctx.Process(target=l2_loop, args=(url, pool, args.duration, rate, 99, start, l2_out,
+                                                     not args.no_l2_load)))
         for p in procs:
             p.start()
         results = [out.get(timeout=args.duration + 300) for _ in range(args.clients)]
@@ -269,6 +316,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=8, help="chunks of 256 tokens per prompt")
     ap.add_argument("--no-floor", action="store_true", help="skip the transport floor (bare pyzmq round trips)")
+    ap.add_argument("--no-auth", action="store_true", help="servers and floor without CurveZMQ (default: both with it)")
+    ap.add_argument("--no-l2-load", action="store_true",
+                    help="no retrieves and stores meanwhile: the lookups alone, as the floor's clients")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if set(modes) - {"paced", "saturated"} or args.rate_per_client <= 0:
@@ -298,9 +348,12 @@ def main() -> None:
               f"{slow['hit_p99_milliseconds']:.3f} vs {base['hit_p99_milliseconds']:.3f} ms (L2 {args.l2})")
         if floors[mode]:
             f = floors[mode]
-            print(f"{mode}: transport floor (bare pyzmq round trips of the same request bytes, same clients and pacing, "
-                  f"{f['lookups']} round trips): p50 {f['p50_milliseconds']:.3f} ms, p99 {f['p99_milliseconds']:.3f} ms; "
-                  f"kvtier p99 with the slow adapter / floor p99: {slow['p99_milliseconds'] / f['p99_milliseconds']:.2f}x")
+            print(f"{mode}: transport floor (bare pyzmq round trips of the same requests, same clients and pacing, "
+                  f"CurveZMQ {'off' if args.no_auth else 'on'} as for the servers, {f['lookups']} round trips): p50 "
+                  f"{f['p50_milliseconds']:.3f} ms, p99 {f['p99_milliseconds']:.3f} ms; kvtier p99 / floor p99: "
+                  f"{base['p99_milliseconds'] / f['p99_milliseconds']:.2f}x (no delay), "
+                  f"{slow['p99_milliseconds'] / f['p99_milliseconds']:.2f}x (slow adapter); p50: "
+                  f"{base['p50_milliseconds'] / f['p50_milliseconds']:.2f}x, {slow['p50_milliseconds'] / f['p50_milliseconds']:.2f}x")
 
 
 if __name__ == "__main__":

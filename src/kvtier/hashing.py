@@ -57,10 +57,11 @@ def event_id(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
-def as_token_array(tokens) -> np.ndarray:
+def as_token_array(tokens, *, check_ids: bool = True) -> np.ndarray:
     """Validate tokens as a 1-D sequence of non-negative ints; return them as an int64 numpy array.
 
-    Accepts a list, tuple, numpy array or torch tensor. Raises InputError otherwise.
+    Accepts a list, tuple, numpy array or torch tensor. Raises InputError otherwise. ``check_ids`` False: the
+    ids' sign is left to ``check_token_ids`` (a caller that has seen these exact ids before skips it).
     """
     if hasattr(tokens, "detach"):  # torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
@@ -73,6 +74,12 @@ def as_token_array(tokens) -> np.ndarray:
         arr = tokens
     else:
         arr = _as_array_slow(tokens)
+    return check_token_ids(arr) if check_ids else arr
+
+
+def check_token_ids(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (1-D int64) when every id is non-negative (ids of 2**63 and more arrive here negative). Raises
+    InputError naming the smallest id otherwise."""
     if arr.size and arr.min() < 0:
         raise InputError(f"token ids must be non-negative; got {int(arr.min())}")
     return arr

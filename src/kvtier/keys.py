@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cbor2
 import xxhash
@@ -22,12 +23,23 @@ class ChunkKey:
             ``""`` for the base model.
         prefix_hash: digest of the chunk's last block (``hashing.prefix_hashes``): identifies the token prefix
             up to the chunk's end, with the engine's extra keys (LoRA, salt, multimodal items).
+
+    A key is immutable; its hash is computed once and its ``name()`` on first use (a prompt's keys are memoised
+    with its chunk refs, so a lookup asks L1 and the L2 indexes without hashing or formatting again).
     """
 
     model: str
     layout_id: str
     namespace: str
     prefix_hash: bytes
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+    _name: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.model, self.layout_id, self.namespace, self.prefix_hash)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def scope(self) -> str:
@@ -35,10 +47,13 @@ class ChunkKey:
         return scope_of(self.model, self.layout_id, self.namespace)
 
     def name(self) -> str:
-        """Filename- and object-name-safe form ``<scope>-<prefix hash hex>`` (hex only)."""
-        return f"{self.scope}-{self.prefix_hash.hex()}"
+        """Filename- and object-name-safe form ``<scope>-<prefix hash hex>`` (hex only); made once per key."""
+        if not self._name:
+            object.__setattr__(self, "_name", f"{self.scope}-{self.prefix_hash.hex()}")
+        return self._name
 
 
+@functools.lru_cache(maxsize=4096)  # a server's caches and namespaces: every new key of one asks again
 def scope_of(model: str, layout_id: str, namespace: str = "") -> str:
     """Hex scope of (model, layout_id, namespace); fields are length-prefixed so none can collide."""
     parts = [model.encode(), layout_id.encode(), namespace.encode()]

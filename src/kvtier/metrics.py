@@ -146,6 +146,17 @@ class Metrics:
         with self._lock:
             self._values[name][key] += value
 
+    def inc_many(self, increments) -> None:
+        """Add to several counters under one lock: ``(name, amount, label values)`` each, the values a tuple of
+        str in the order of the metric's labels (``()`` for none). Raises KeyError on an unknown name or a
+        wrong number of values."""
+        for name, _, key in increments:
+            if len(key) != len(METRICS[name].labels):
+                raise KeyError(f"metric {name} takes labels {METRICS[name].labels}, got values {key}")
+        with self._lock:
+            for name, amount, key in increments:
+                self._values[name][key] += amount
+
     def set(self, name: str, value: float, **labels) -> None:
         key = self._key(name, labels)
         with self._lock:

@@ -58,7 +58,7 @@ import msgspec
 import numpy as np
 
 from kvtier.errors import InputError
-from kvtier.hashing import as_token_array
+from kvtier.hashing import as_token_array, check_token_ids
 
 PROTOCOL_VERSION = 5  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant; 3: LookupReply.num_l1_tokens;
 # 4: Prefetch, deferred replies (promotions on a pool); 5: StoreBegin retention hints
@@ -292,14 +292,14 @@ def pack_tokens(tokens) -> bytes:
     return as_token_array(tokens).astype("<i8", copy=False).tobytes()
 
 
-def unpack_tokens(buf: bytes) -> np.ndarray:
-    """The int64 token array of a ``tokens`` field. Raises InputError on a bad length or negative ids."""
+def unpack_tokens(buf: bytes, *, check_ids: bool = True) -> np.ndarray:
+    """The int64 token array of a ``tokens`` field. Raises InputError on a bad length or negative ids.
+    ``check_ids`` False: the sign is left to the caller (the server resolves a prompt through
+    ``PromptKeys.chunk_refs``, which checks the ids of a prompt it has not seen)."""
     if len(buf) % 8:
         raise InputError(f"tokens field holds {len(buf)} bytes, not a multiple of 8 (little-endian int64 ids)")
     arr = np.frombuffer(buf, dtype="<i8")
-    if arr.size and int(arr.min()) < 0:
-        raise InputError(f"token ids must be non-negative; got {int(arr.min())}")
-    return arr
+    return check_token_ids(arr) if check_ids else arr
 
 
 def salvage_id(buf) -> int:

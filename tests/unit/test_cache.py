@@ -286,3 +286,17 @@ def test_a_hinted_store_from_start_hints_the_chunks_before_it_too(tmp_path):
         assert stored == 1  # chunk 2 is neither stored nor hinted: L1 does not hold it
         _, refs = cache.chunk_refs(prompt)
         assert sorted(cache.l1.session_keys("agent-1"), key=str) == sorted([refs[i].key for i in (0, 1, 3)], key=str)
+
+
+def test_lookups_are_counted_by_medium_from_start(tmp_path):
+    cache = make_cache(tmp_path, disk=False)
+    tokens = list(range(3 * CHUNK))
+    cache.store(tokens[:2 * CHUNK], kv_for(tokens[:2 * CHUNK]))
+    assert cache.lookup(tokens, start=CHUNK) == 2 * CHUNK
+    m = cache.metrics
+    assert m.value("kvtier_lookup_requests_total") == 1 and m.value("kvtier_lookup_tokens_total") == 3 * CHUNK
+    assert m.value("kvtier_lookup_hit_tokens_total", medium="CPU") == CHUNK  # from start's chunk on
+    assert m.value("kvtier_lookup_hit_tokens_total", medium="STORAGE") == 0
+    with pytest.raises(KeyError, match="medium"):  # counted together under one lock, checked all the same
+        m.inc_many((("kvtier_lookup_hit_tokens_total", 1, ()),))
+    cache.close()

@@ -1,6 +1,7 @@
 """The package's layers, read from the source: which kvtier modules each module imports (module level and inside
 functions, parsed with ``ast``, never executed), checked against the rules below, and no import cycle between
-modules at module level. A failure names each offending import (file, line, module)."""
+modules at module level; and no public name (class, function, constant) defined in two modules. A failure names
+each offending import or definition (file, line, module)."""
 
 from __future__ import annotations
 
@@ -124,3 +125,29 @@ def test_no_import_cycle_at_module_level():
         if name not in state:
             walk(name, [name])
     assert cycles == [], "import cycles at module level:\n" + "\n".join(cycles)
+
+
+def public_names(name: str) -> list[tuple[str, int]]:
+    """(name, line) of what module ``name`` defines at its top level for others to use: classes, functions and
+    assigned names not starting with ``_`` (imports are not definitions)."""
+    out = []
+    for node in ast.parse(MODULES[name].read_text(), str(MODULES[name])).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append((node.name, node.lineno))
+        elif isinstance(node, ast.Assign):
+            out.extend((t.id, node.lineno) for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.append((node.target.id, node.lineno))
+    return [(n, line) for n, line in out if not n.startswith("_")]
+
+
+def test_no_two_public_things_share_a_name():
+    # a module's logger and an entry point's main are every module's own, never imported
+    own = {"log", "logger", "main"}
+    where: dict[str, list[str]] = {}
+    for name in MODULES:
+        for thing, line in public_names(name):
+            if thing not in own:
+                where.setdefault(thing, []).append(_where(name, line))
+    twice = [f"{thing}: {', '.join(places)}" for thing, places in sorted(where.items()) if len(places) > 1]
+    assert twice == [], "public names defined in more than one module:\n" + "\n".join(twice)

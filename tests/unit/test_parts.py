@@ -1,7 +1,7 @@
-"""Parts own their state: every ``self.x`` a class of the connectors, the client or the server reads is set by the
-class itself (in any method, or in its body: a method, a property, a dataclass field, a class attribute) or by a
-kvtier base class. A mixin that reads what its host sets fails here. Read from the source with ``ast``, never
-executed; a failure names the class, the attribute and the line."""
+"""Parts own their state: every ``self.x`` a class of the connectors, the client, the server, the cache, L1, L2 or the
+events reads is set by the class itself (in any method, or in its body: a method, a property, a dataclass field, a
+class attribute) or by a kvtier base class. A mixin that reads what its host sets fails here. Read from the source
+with ``ast``, never executed; a failure names the class, the attribute and the line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import kvtier
 
 ROOT = Path(kvtier.__file__).resolve().parent  # the kvtier under test (a worktree's src, or the install)
-PACKAGES = ("connectors", "client", "server")
+PACKAGES = ("connectors", "client", "server", "cache", "l1", "l2", "events")
 # what a base class from outside kvtier sets for its subclasses (read from that library's source: vLLM 0.32, msgspec)
 FOREIGN_BASES = {
     "KVConnectorBase_V1": {"_kv_transfer_config", "_connector_metadata", "_get_connector_metadata", "_role",
@@ -82,7 +82,7 @@ def _defined(cls: ast.ClassDef, seen: frozenset = frozenset()) -> tuple[set[str]
             more, unk = _defined(CLASSES[name][0][1], seen | {cls.name})
             names |= more
             unknown += unk
-        elif name not in ("object", "Exception", "Protocol", "NamedTuple", "Enum", "IntEnum", "str", "int",
+        elif name not in ("object", "ABC", "Exception", "Protocol", "NamedTuple", "Enum", "IntEnum", "str", "int",
                           "dict", "tuple", "RuntimeError", "ValueError", "threading.Thread", "Thread", "BaseModel"):
             unknown.append(name or ast.dump(base))
     return names, unknown

@@ -115,11 +115,10 @@ class KVCache:
         refs = self._from(refs, start)
         base = refs[0].start if refs else 0
         l1_tokens, total = hits.num_l1_tokens, hits.num_tokens
-        m = self.metrics
-        m.inc("kvtier_lookup_requests_total")
-        m.inc("kvtier_lookup_tokens_total", num_tokens)
-        m.inc("kvtier_lookup_hit_tokens_total", max(0, l1_tokens - base), medium="CPU")
-        m.inc("kvtier_lookup_hit_tokens_total", total - max(l1_tokens, base if total else 0), medium="STORAGE")
+        self.metrics.inc_many((("kvtier_lookup_requests_total", 1, ()), ("kvtier_lookup_tokens_total", num_tokens, ()),
+                               ("kvtier_lookup_hit_tokens_total", max(0, l1_tokens - base), ("CPU",)),
+                               ("kvtier_lookup_hit_tokens_total", total - max(l1_tokens, base if total else 0),
+                                ("STORAGE",))))
 
     # ---- store -------------------------------------------------------------------------
     def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None,

@@ -6,9 +6,10 @@ import threading
 from collections import OrderedDict
 
 # What one memoized prompt costs, rounded up from tracemalloc on CPython 3.11 (chunk_refs of 65,536 tokens at
-# chunk/block 16/16, 256/16, 256/256: about 73 bytes per block digest and 210-480 per ChunkRef with its ChunkKey).
+# chunk/block 16/16, 256/16, 256/256: about 73 bytes per block digest and 210-480 per ChunkRef with its ChunkKey,
+# ~130 more once the key has made its L2 name, which it keeps: ``ChunkKey.name``).
 _MEMO_BLOCK_BYTES = 100
-_MEMO_CHUNK_BYTES = 500
+_MEMO_CHUNK_BYTES = 600
 _MEMO_EXTRA_BLOCK_BYTES = 120  # a per-block extra-keys entry (tuple of short keys), when there are any
 
 

@@ -16,7 +16,7 @@ from kvtier.cache.memo import LookupMemo
 from kvtier.cache.tickets import ChunkRef, PromptBlocks
 from kvtier.config import KVTierConfig
 from kvtier.extra_keys import check_extra_keys, num_blocks_of
-from kvtier.hashing import as_token_array, prefix_hashes
+from kvtier.hashing import as_token_array, check_token_ids, prefix_hashes
 from kvtier.keys import SEGMENT_SEED_SUFFIX, ChunkKey, is_segment_namespace
 
 
@@ -46,8 +46,9 @@ class PromptKeys:
         (and what ``hasher`` raises)."""
         arr, ns, extra, memo_key = self._memo_key(tokens, namespace, extra_keys)
         refs = self.memo.get(memo_key)
-        if refs is not None:
+        if refs is not None:  # these exact ids were checked when they were memoised
             return arr, refs
+        check_token_ids(arr)
         cfg = self.config
         bs, c = cfg.effective_block_size, cfg.chunk_size
         segment = is_segment_namespace(ns)  # a document's own tokens: stored whole, chained from its own root
@@ -64,13 +65,19 @@ class PromptKeys:
         return arr, refs
 
     def _memo_key(self, tokens, namespace, extra_keys) -> tuple:
-        arr = as_token_array(tokens)
+        """(token array, namespace, checked extra keys, memo key); the ids' sign is not checked yet."""
+        arr = as_token_array(tokens, check_ids=False)
         ns = self.namespace if namespace is None else namespace
-        extra = check_extra_keys(extra_keys, num_blocks_of(len(arr), self.config.effective_block_size))
+        extra = None if extra_keys is None else check_extra_keys(
+            extra_keys, num_blocks_of(len(arr), self.config.effective_block_size))
         return arr, ns, extra, (self.model, self.key_layout_id, ns, len(arr), xxhash.xxh3_128_digest(np.ascontiguousarray(arr)),
                                 extra)
 
     def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:
         """Whether ``chunk_refs`` of this prompt would come from the lookup memo (no hashing). Raises
         InputError as ``chunk_refs``."""
-        return self.memo.get(self._memo_key(tokens, namespace, extra_keys)[3]) is not None
+        arr, _, _, memo_key = self._memo_key(tokens, namespace, extra_keys)
+        if self.memo.get(memo_key) is not None:
+            return True
+        check_token_ids(arr)
+        return False

@@ -91,9 +91,9 @@ class Client:
 
     def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> TierHits:
         """``lookup`` split by tier (``KVBackend.lookup_tiers``): (0, 0) when the server is unavailable."""
-        arr = as_token_array(tokens)
+        packed = P.pack_tokens(tokens)  # checked before the lock
         with self.transport.lock:
-            reply, _ = self.transport.call(P.Lookup(id=self.transport.new_id(), tokens=P.pack_tokens(arr), namespace=namespace,
+            reply, _ = self.transport.call(P.Lookup(id=self.transport.new_id(), tokens=packed, namespace=namespace,
                                            extra_keys=extra_keys, start=_start(start)))
         if not isinstance(reply, P.LookupReply):
             return TierHits(0, 0)
@@ -106,9 +106,9 @@ class Client:
         ``promote_timeout_seconds``, bounded by ``timeout_seconds``) and return the leading tokens L1 holds then.
         A prefetch of evicted chunks is a miss, never an error. 0 when the server is unavailable. Raises
         InputError for bad tokens."""
-        arr = as_token_array(tokens)
+        packed = P.pack_tokens(tokens)
         with self.transport.lock:
-            msg = P.Prefetch(id=self.transport.new_id(), tokens=P.pack_tokens(arr), namespace=namespace, extra_keys=extra_keys)
+            msg = P.Prefetch(id=self.transport.new_id(), tokens=packed, namespace=namespace, extra_keys=extra_keys)
             if not wait:
                 self.transport.post(msg)
                 return 0
@@ -137,12 +137,12 @@ class Client:
         whatever ``fill`` raises aborts the reservation and is raised. ``hint``: retention hint
         (``kvtier.hints.check_hint``) for the prompt's chunks; a server refusing it answers ``bad_request``.
         """
-        arr = as_token_array(tokens)
+        packed = P.pack_tokens(tokens)
         fields = {} if hint is None else {"priority": hint.priority or None, "ttl_seconds": hint.ttl_seconds,
                                           "session_id": hint.session_id}
         with self.transport.lock:
             shm = self.transport.arena is not None
-            reply, _ = self.transport.call(P.StoreBegin(id=self.transport.new_id(), tokens=P.pack_tokens(arr), shm=shm,
+            reply, _ = self.transport.call(P.StoreBegin(id=self.transport.new_id(), tokens=packed, shm=shm,
                                                         namespace=namespace, extra_keys=extra_keys, start=_start(start),
                                                         **fields))
             if not isinstance(reply, P.StoreSlots) or not reply.slots:
@@ -198,12 +198,12 @@ class Client:
         been reused) or no reply came within ``timeout_seconds`` (counted from the call): discard the copy.
         Raises InputError for bad tokens.
         """
-        arr = as_token_array(tokens)
+        packed = P.pack_tokens(tokens)
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         got = Retrieved()
         with self.transport.lock:
             shm = self.transport.arena is not None
-            reply, payload = self.transport.call(P.RetrieveBegin(id=self.transport.new_id(), tokens=P.pack_tokens(arr), shm=shm,
+            reply, payload = self.transport.call(P.RetrieveBegin(id=self.transport.new_id(), tokens=packed, shm=shm,
                                                         namespace=namespace, extra_keys=extra_keys,
                                                         start=_start(start)),
                                         deadline=deadline)

@@ -91,6 +91,9 @@ class Transport:
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._monitor = self._sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS | FAILED_EVENTS)
+        self._poller = zmq.Poller()  # a round trip waits for its reply or a connection event
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._linked = False
         self._sock.connect(self.url)
 
@@ -177,29 +180,29 @@ class Transport:
             self._mark_down("send queue full or no connection")
             return None, []
         deadline = time.monotonic() + timeout
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._mark_down(f"no reply within {timeout:g} s")
                 return None, []
-            ready = dict(poller.poll(int(left * 1000) + 1))
+            ready = dict(self._poller.poll(int(left * 1000) + 1))
             if self._monitor in ready:
                 self._drain_monitor()
                 if not self._linked:  # the peer went away: its reply will never come
                     self._mark_down("connection lost", backoff=False)
                     return None, []
             if self._sock in ready:
-                parts = self._sock.recv_multipart(copy=False)
+                header = self._sock.recv()  # a small msgpack map: copied; KV frames after it are not
+                payload = []
+                while self._sock.getsockopt(zmq.RCVMORE):
+                    payload.append(self._sock.recv(copy=False))
                 try:
-                    reply = P.decode_reply(parts[0].buffer)
+                    reply = P.decode_reply(header)
                 except Exception:  # noqa: BLE001 -- whatever the bytes, a bad reply is dropped, never raised
                     log.warning("undecodable reply from %s dropped", self.url)
                     continue
                 if reply.id == msg.id:
-                    return reply, parts[1:]
+                    return reply, payload
                 # a late reply to an earlier, abandoned request: ignore it
 
     def call(self, msg, frames=(), retry: bool = True, deadline: float | None = None) -> tuple[object | None, list]:

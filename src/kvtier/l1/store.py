@@ -290,8 +290,8 @@ class L1Store:
         """How many of ``keys``, from the first, are committed (``contains`` of each, under one lock)."""
         n = 0
         with self._lock:
-            for key in keys:
-                if self._visible(key) is None:
+            for key in keys:  # _visible, inline: a lookup asks this for every chunk of its prompt
+                if (entry := self._entries.get(key)) is None or not entry.committed:
                     break
                 n += 1
         return n

@@ -171,11 +171,11 @@ def create_adapter(spec: dict) -> L2Adapter:
         cls = getattr(importlib.import_module(module), cls_name)
     except ImportError as exc:
         raise ConfigError(f"L2 adapter {canonical!r} needs an extra package ({exc.name}); "
-                          f"install it with: pip install 'kvtier[l2]'") from None
+                          f"install it with: pip install 'kvtier[l2]'") from exc
     fields = {**defaults, **spec, "type": canonical}
     try:
         config = cls.config_class(**fields)
-    except pydantic.ValidationError as exc:
+    except pydantic.ValidationError as exc:  # its text shows the spec's values (a password, a key): not chained
         raise ConfigError(f"L2 adapter {canonical!r}: {_describe(exc, cls.config_class)}") from None
     return cls(config)
 

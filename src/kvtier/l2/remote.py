@@ -5,6 +5,11 @@ every operation as a miss, and retries its connect step with bounded exponential
 operation or ``health()`` call after the backoff has passed. Configuration errors found by the
 connect step (missing bucket, wrong credentials) are raised from the constructor when the service is
 reachable, and reported through ``health()`` when they only show up on a later reconnect.
+
+Errors: these adapters raise ``from None``, deliberately, where every other adapter and the server keep the
+cause (``from exc``): a client library's exception text can hold a credential (a URL's password, a SAS query, an
+access key) and L2 errors are logged with their traceback; the message carries the cause's type and its text
+with the secrets scrubbed (``scrubber``) instead.
 """
 
 from __future__ import annotations
@@ -254,6 +259,19 @@ class RemoteAdapter(L2Adapter):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    # per-record hooks: a subclass without batch hooks of its own gives these
+    def _put_one(self, item: tuple[str, Sequence[Buffer]]) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} gives neither _put nor _put_one")
+
+    def _get_one(self, name: str) -> Buffer | None:
+        raise NotImplementedError(f"{type(self).__name__} gives neither _get nor _get_one")
+
+    def _contains_one(self, name: str) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} gives neither _contains nor _contains_one")
+
+    def _delete_one(self, name: str) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} gives neither _delete nor _delete_one")
 
     # batch hooks: by default one request per record, fanned out by _run
     def _put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:

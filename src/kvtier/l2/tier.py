@@ -112,9 +112,9 @@ class L2Tier:
         if RecordKeys.of(record_key).any and record_auth == "blake3":
             try:
                 import blake3  # noqa: F401 -- fail at startup, not in the writer thread
-            except ImportError:
+            except ImportError as exc:
                 raise ConfigError("l2_record_auth 'blake3' needs the blake3 package (pip install blake3); "
-                                  "or set l2_record_auth: hmac-sha256") from None
+                                  "or set l2_record_auth: hmac-sha256") from exc
         self._refusal_logged = False  # one warning for records kept but not servable; the metrics count them all
         self.index = L2Index(self.adapters, metrics, self._per_name)
         self.index_lookups = index_lookups

@@ -38,7 +38,7 @@ class DataOps:
         metrics: the server's metrics (counted here: store / retrieve seconds, lease expiries, promotions).
         tiers: the shared ``Tiers`` (L1 slots are reserved and pinned here; L2 is only asked through its index).
         sessions: the server's sessions by connection identity (read only here: a promotion's client may be gone).
-        limits, quarantine: the server's ``ClientLimits`` and ``Quarantine`` (``server/limits.py``).
+        limits, quarantine: the server's ``ClientLimits`` and ``LeaseQuarantine`` (``server/limits.py``).
         promoter, lookups: the promotion pool and the lookup prober (``server/promote.py``, ``server/lookup.py``).
         lock: the server's lock (``answer_promotions`` runs outside the request dispatch and takes it).
         send: ``send(identity, reply, frames)``, the server's reply path.
@@ -120,8 +120,7 @@ class DataOps:
         if refusal:
             return limited_reply(self.metrics, msg, *refusal), []
         hint = check_hint(msg.priority, msg.ttl_seconds, msg.session_id)
-        ticket = session.cache.begin_store(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                           extra_keys=msg.extra_keys, start=msg.start,
+        ticket = session.cache.begin_store(*session.prompt(msg), extra_keys=msg.extra_keys, start=msg.start,
                                            max_bytes=self.limits.reserve_budget(session.usage), hint=hint)
         ticket.on_lost = session.count_lost
         if ticket.limited and not ticket.slots:
@@ -182,8 +181,7 @@ class DataOps:
         reply is deferred (``answer_promotions``). ``after``: the job this request followed, now finished
         (its start and deadline are kept: what that promotion did not bring is read now)."""
         cache = session.cache
-        namespace = session.namespace_for(msg.namespace)
-        tokens = P.unpack_tokens(msg.tokens)
+        tokens, namespace = session.prompt(msg)
         start = getattr(msg, "start", 0)  # RetrieveBegin's (a sliding-window part's chunks from there on)
         _, refs = cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys)
         refs = refs[start // cache.chunk_size:] if start > 0 else refs
@@ -250,8 +248,7 @@ class DataOps:
         return self._prefetch_reply(identity, session, msg, time.monotonic())
 
     def _prefetch_reply(self, identity, session, msg, started):
-        _, refs = session.cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                           extra_keys=msg.extra_keys)
+        _, refs = session.chunk_refs(msg)
         n = session.cache.l1_prefix(refs)
         self.trace.prefetch(identity, session, msg, n)
         return P.PrefetchReply(id=msg.id, num_tokens=refs[n - 1].end if n else 0), []
@@ -267,8 +264,7 @@ class DataOps:
         refusal = self.limits.check_leases(session.usage)
         if refusal and msg.shm and session.shm:
             return limited_reply(self.metrics, msg, *refusal), []
-        ticket = cache.begin_retrieve(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                      extra_keys=msg.extra_keys, promote=False, start=msg.start)
+        ticket = cache.begin_retrieve(*session.prompt(msg), extra_keys=msg.extra_keys, promote=False, start=msg.start)
         shm = msg.shm and session.shm
         self.trace.retrieve(identity, session, msg, ticket, pending=shm and bool(ticket.slots))
         if not shm:

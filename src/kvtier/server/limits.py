@@ -11,7 +11,7 @@ naming the bound and the key that raises it, and counted in ``kvtier_client_limi
 (``principal_`` / ``all_`` prefixes for the upper levels). Reserved bytes count open store reservations plus
 quarantined slots, so a client that keeps stalling past its leases only uses up its own share of L1.
 
-Quarantine (``Quarantine``): when a store lease expires the client may still be inside its copy (SIGSTOP, swap,
+Quarantine (``LeaseQuarantine``): when a store lease expires the client may still be inside its copy (SIGSTOP, swap,
 a debugger), writing through its shared-memory mapping. Its slots leave the key space at once (the chunk never
 becomes visible; another client may store the same key elsewhere) but are not reused until the writer is
 known to be done: it sends the late ``StoreCommit`` for that ticket (a client commits only after its copy),
@@ -190,7 +190,7 @@ class _Held:
         return sum(n for _, n in self.slots)
 
 
-class Quarantine:
+class LeaseQuarantine:
     """Slots of expired store leases, kept out of use until their writer is done or gone (module docstring).
 
     Args:

@@ -1,5 +1,5 @@
-"""The server's request socket: the port it listens on and the guarded ZMQ ROUTER bound there, with the bounds
-that protect the server from its clients (message size, unread replies)."""
+"""The server's request socket: the port it listens on, its secret, and the guarded ZMQ ROUTER bound there, with
+the bounds that protect the server from its clients (message size, unread replies)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,53 @@ import socket
 import zmq
 
 from kvtier import protocol as P
+from kvtier.auth.keyring import server_keyring
 from kvtier.auth.zap import guarded_router
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.zmq_context import Context
+
+
+class RequestSocket:
+    """The server's listening part: ``port``, ``keyring`` (``kvtier.auth.keyring``; None without auth), ``sock``
+    (the ROUTER, bound to ``endpoint``) and the ZAP handler guarding it.
+
+    Args:
+        config: ``config.server`` gives host, port, auth and the socket's bounds.
+        refused: called with (mechanism, address) for each connection the ZAP handler refuses.
+
+    Raises:
+        ConfigError: the port cannot be had, its secret file cannot be made or read, or the port is in use.
+    """
+
+    def __init__(self, config: KVTierConfig, refused):
+        srv = config.server
+        self._ctx = Context()
+        try:
+            self.port = pick_port(srv.host, srv.port)
+            self.keyring, self._created = server_keyring(config, self.port)
+        except (OSError, KVTierError) as exc:
+            self._ctx.term()
+            raise ConfigError(f"cannot start on {srv.host}:{srv.port}: {exc}") from exc
+        # a secret made for a port the OS picked (--port 0) names a port no later server will have: removed at close
+        self._made_for_port_0 = self._created and srv.port == 0 and not srv.auth_secret_file
+        self.sock, self._zap = request_router(self._ctx, self.keyring, srv, refused)
+        try:
+            self.sock.bind(f"tcp://{srv.host}:{self.port}")
+        except zmq.ZMQError as exc:
+            self.close(started=False)
+            raise ConfigError(f"cannot listen on {srv.host}:{srv.port} (--host/--port): {exc.strerror}; "
+                              "is another server running? pick another --port") from exc
+        self.endpoint = f"tcp://{srv.host}:{self.port}"
+
+    def close(self, started: bool = True) -> None:
+        """Close the sockets. The secret file made here goes when it names a port the OS picked, or when the
+        server did not start (``started`` False: a failed start leaves no secret for a port it did not get)."""
+        self.sock.close(linger=0)
+        self._zap.close()
+        self._ctx.term()
+        if self._made_for_port_0 or (self._created and not started):
+            self.keyring.creds.path.unlink(missing_ok=True)
 
 
 def pick_port(host: str, port: int) -> int:

@@ -64,11 +64,10 @@ class LookupProber:
         is resolved once (``chunk_refs``, memoised), L1 and the indexes are asked once; the answer is counted in
         the lookup metrics. Raises InputError on bad input."""
         cache = session.cache
-        arr, refs = cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                     extra_keys=msg.extra_keys)
+        arr, refs = session.chunk_refs(msg)
         hits = cache.tier_hits(refs, msg.start, probe=not self.enabled)  # validates start
-        rest = [r.key for r in refs[msg.start // cache.chunk_size:] if r.end > hits.num_tokens]  # not held
-        if self.enabled and rest:
+        rest = [r.key for r in refs[msg.start // cache.chunk_size:] if r.end > hits.num_tokens] if self.enabled else ()
+        if rest:  # not held, over an L2 whose index may lag
             if self._probe(identity, session, msg, rest[:PROBE_NAMES]):
                 return None
             hits = cache.tier_hits(refs, msg.start)  # the probe skipped: the index's own background probe then
@@ -92,8 +91,7 @@ class LookupProber:
     def reply(self, identity: bytes, session, msg: P.Lookup, started: float = 0.0) -> tuple[P.LookupReply, list]:
         """The answer from L1 and the indexes after a probe (counted in the lookup metrics); the promotion pool's
         reply signature (``identity`` and ``started`` unused)."""
-        hits = session.cache.lookup_tiers(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                          extra_keys=msg.extra_keys, start=msg.start)
+        hits = session.cache.lookup_tiers(*session.prompt(msg), extra_keys=msg.extra_keys, start=msg.start)
         return P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens), []
 
     def timed_out(self, job: Job) -> None:

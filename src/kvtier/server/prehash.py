@@ -26,7 +26,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 
-from kvtier import protocol as P
 from kvtier.errors import KVTierError
 from kvtier.hashing import prefix_hashes
 from kvtier.server.hashproc import HashProcess, HashProcessError
@@ -71,8 +70,7 @@ class Prehasher:
         if tokens is None or len(tokens) // 8 < self.min_tokens:
             return False
         try:
-            if session.cache.memoised(P.unpack_tokens(tokens), session.namespace_for(msg.namespace),
-                                      extra_keys=msg.extra_keys):
+            if session.cache.memoised(*session.prompt(msg), extra_keys=msg.extra_keys):
                 return False
         except KVTierError:
             return False  # the handler answers the bad input
@@ -119,8 +117,7 @@ class Prehasher:
 
     def _hash(self, msg, session) -> None:
         """Put ``msg``'s chunk refs in its cache's memo."""
-        session.cache.chunk_refs(P.unpack_tokens(msg.tokens), session.namespace_for(msg.namespace),
-                                 extra_keys=msg.extra_keys, hasher=self._prefix_hashes)
+        session.chunk_refs(msg, hasher=self._prefix_hashes)
 
     def _prefix_hashes(self, *args, **kwargs) -> list[bytes]:
         """``hashing.prefix_hashes`` by the child process, or here while it is not available."""

@@ -29,10 +29,9 @@ import msgspec
 import zmq
 
 from kvtier import protocol as P
-from kvtier.auth.keyring import server_keyring
 from kvtier.cache import KVCache, Tiers
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import KVTierError
 from kvtier.metrics import Metrics
 from kvtier.proc import host_id, pid_start_time
 from kvtier.server.dataops import DataOps
@@ -41,8 +40,8 @@ from kvtier.server.lookup import LookupProber
 from kvtier.server.manage import KnownCaches
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
-from kvtier.server.listen import pick_port, request_router
-from kvtier.server.limits import ClientLimits, Quarantine
+from kvtier.server.listen import RequestSocket
+from kvtier.server.limits import ClientLimits, LeaseQuarantine
 from kvtier.server.principals import Principals, principal_of
 from kvtier.server.session import (
     HandshakeRefused,
@@ -57,7 +56,6 @@ from kvtier.server.session import (
 from kvtier.server.trace import TraceRecorder
 from kvtier.server.turns import MAX_QUEUED, NEW_CONNECTIONS, Turns
 from kvtier.shm import hold_lock, reap_stale_shm
-from kvtier.zmq_context import Context
 
 log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
@@ -87,23 +85,9 @@ class KVTierServer:
         self.heartbeat = time.monotonic()
         self.host_id = host_id()
         srv = config.server
-        self._ctx = Context()
-        try:
-            self.port = pick_port(srv.host, srv.port)
-            self.keyring, created = server_keyring(config, self.port)
-        except (OSError, KVTierError) as exc:
-            self._ctx.term()
-            raise ConfigError(f"cannot start on {srv.host}:{srv.port}: {exc}") from exc
-        # a secret made for a port the OS picked (--port 0) names a port no later server will have: removed at close
-        self._secret_made_for_port_0 = created and srv.port == 0 and not srv.auth_secret_file
-        self.sock, self._zap = request_router(self._ctx, self.keyring, srv, self._refused)
-        try:
-            self.sock.bind(f"tcp://{srv.host}:{self.port}")
-        except zmq.ZMQError as exc:
-            self._undo_sockets(created)
-            raise ConfigError(f"cannot listen on {srv.host}:{srv.port} (--host/--port): {exc.strerror}; "
-                              "is another server running? pick another --port") from exc
-        self.endpoint = f"tcp://{srv.host}:{self.port}"
+        self.listener = RequestSocket(config, self._refused)
+        self.port, self.keyring, self.sock, self.endpoint = (self.listener.port, self.listener.keyring,
+                                                             self.listener.sock, self.listener.endpoint)
         if srv.shared_memory:
             reap_stale_shm()
             shm_name = shm_name or f"kvtier-{os.getpid()}-{self.server_id[:8]}"
@@ -112,13 +96,13 @@ class KVTierServer:
         try:
             self.trace = TraceRecorder(config, self.metrics)  # a trace file that cannot be made: before the L1
         except BaseException:
-            self._undo_sockets(created)
+            self.listener.close(started=False)
             raise
         try:
             self.tiers = Tiers(config, metrics=self.metrics, shm_name=shm_name, auth=self.keyring, index_lookups=True)
         except BaseException:
             self.trace.close()
-            self._undo_sockets(created)
+            self.listener.close(started=False)
             raise
         self.shm_name = shm_name
         self._shm_lock = hold_lock(shm_name) if shm_name else None
@@ -134,7 +118,7 @@ class KVTierServer:
         self.lookups = LookupProber(self.tiers, self.promoter, srv.lookup_probe_timeout_seconds, self.metrics)
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
         self.principals = Principals(self.limits)
-        self.quarantine = Quarantine(self.tiers.l1, self.metrics)
+        self.quarantine = LeaseQuarantine(self.tiers.l1, self.metrics)
         self.flushes = Flushes(self.tiers.l2, self._send)
         self.data = DataOps(config, self.metrics, self.tiers, self.sessions, self.limits, self.quarantine, self.promoter,
                             self.lookups, self.lock, self._send, self.trace)
@@ -144,24 +128,16 @@ class KVTierServer:
                           P.RetrieveEnd: self.data.retrieve_end, P.Prefetch: self.data.prefetch}
         self.metrics.set("kvtier_connected_clients", 0)
 
-    def _undo_sockets(self, keyring_created: bool) -> None:
-        """A failed start: close what __init__ opened; a secret file made for a port this server did not get goes."""
-        self.sock.close()
-        self._zap.close()
-        self._ctx.term()
-        if keyring_created:
-            self.keyring.creds.path.unlink(missing_ok=True)
-
     # ---- loop ----------------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Answer requests until ``stop()``; then abort outstanding leases. Call ``close()`` afterwards."""
         # the request thread wakes from poll needing the GIL: a busy helper thread (promotion, writer, admin)
         # would keep it for up to the 5 ms default switch interval, a lookup takes ~0.1 ms
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_SECONDS))
+        promoted, hashed = self.promoter.fileno(), self.prehash.fileno()
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.promoter.fileno(), zmq.POLLIN)
-        poller.register(self.prehash.fileno(), zmq.POLLIN)
+        for readable in (self.sock, promoted, hashed):
+            poller.register(readable, zmq.POLLIN)
         srv = self.config.server
         tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
         while not self.stopping.is_set():
@@ -169,16 +145,19 @@ class KVTierServer:
             # woken at a deferred request's deadline; not waiting at all while requests wait for their turn
             ready = dict(poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)))
             # only what is readable: an empty pipe or socket read costs an exception, several per request
-            if self.sock in ready:
-                self._receive()
-            if self.promoter.fileno() in ready:
+            alone = self._receive() if self.sock in ready else None
+            if promoted in ready:
                 self.data.answer_promotions(self.promoter.take_ready())
-            if self.prehash.fileno() in ready:
+            if hashed in ready:
                 self._answer_hashed(self.prehash.take_ready())
+            if alone is not None:  # a round of one request
+                self._dispatch(alone)
             for frames in self.turns.next_round():  # then the socket is read again: a new request waits one round
                 self._dispatch(frames)
-            self.data.answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
-            self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
+            if self.promoter.waiting:  # deferred replies past their deadline
+                self.data.answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
+            if self.prehash.waiting:
+                self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
             self._expire()
         with self.lock:
             self.data.abort_all()
@@ -187,23 +166,30 @@ class KVTierServer:
         """Ask the loop to stop (safe from a signal handler or another thread)."""
         self.stopping.set()
 
-    def _receive(self) -> None:
-        """Move requests from the socket into their principal's turn (``server/turns.py``) until none is left or
-        the turns are full; one past its principal's bounds is answered at once (``Error(limit_exceeded)``)."""
-        while not self.turns.full and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # no zmq.Again to raise
+    def _receive(self) -> list | None:
+        """Move requests from the socket (``poll`` said it is readable) into their principal's turn
+        (``server/turns.py``) until none is left or the turns are full; one past its principal's bounds is
+        answered at once (``Error(limit_exceeded)``). Returns the frames of the one request read when it is the
+        only one waiting (no turn queued, nothing more to read): its round is itself, handled without queueing."""
+        while not self.turns.full:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) < 2:  # a ROUTER always prepends the identity; nothing to answer
-                continue
-            identity = frames[0].bytes
-            session = self.sessions.get(identity)
-            if not self.turns.add(identity, session.principal if session is not None else NEW_CONNECTIONS, frames):
-                self.metrics.inc("kvtier_client_limit_exceeded_total", limit="principal_queued_requests")
-                self._send(identity, P.Error(id=P.salvage_id(frames[1].buffer), code="limit_exceeded", message=(
-                    f"this principal has {self.turns.max_per_principal} requests (or "
-                    f"{self.turns.max_bytes_per_principal} bytes) waiting for their turn; wait for replies")))
+            except zmq.Again:  # a poll that said readable and found nothing
+                return None
+            more = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN  # no zmq.Again to raise after the last one
+            if len(frames) >= 2:  # a ROUTER always prepends the identity; else there is nothing to answer
+                if not more and not self.turns:  # what next_round would give at once
+                    return frames
+                identity = frames[0].bytes
+                session = self.sessions.get(identity)
+                if not self.turns.add(identity, session.principal if session is not None else NEW_CONNECTIONS, frames):
+                    self.metrics.inc("kvtier_client_limit_exceeded_total", limit="principal_queued_requests")
+                    self._send(identity, P.Error(id=P.salvage_id(frames[1].buffer), code="limit_exceeded", message=(
+                        f"this principal has {self.turns.max_per_principal} requests (or "
+                        f"{self.turns.max_bytes_per_principal} bytes) waiting for their turn; wait for replies")))
+            if not more:
+                return None
+        return None
 
     def _dispatch(self, frames: list) -> None:
         identity, header, payload = frames[0].bytes, frames[1], frames[2:]
@@ -388,11 +374,7 @@ class KVTierServer:
         self.trace.close()
         if self._shm_lock is not None:
             os.close(self._shm_lock)
-        self.sock.close(linger=0)
-        self._zap.close()
-        self._ctx.term()
-        if self._secret_made_for_port_0:
-            self.keyring.creds.path.unlink(missing_ok=True)
+        self.listener.close()
         return done
 
     def _refused(self, mechanism: str, address: str) -> None:

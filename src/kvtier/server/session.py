@@ -5,11 +5,15 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvtier import __version__
 from kvtier import protocol as P
 from kvtier.cache import KVCache
+from kvtier.cache.tickets import ChunkRef
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
+from kvtier.hashing import prefix_hashes
 from kvtier.keys import tenant_namespace
 from kvtier.layout import KVLayout
 from kvtier.server.limits import ClientUsage
@@ -47,6 +51,17 @@ class Session:
     def namespace_for(self, namespace: str | None) -> str | None:
         """A request's namespace as the server keys it (None: the session's default)."""
         return scoped_namespace(self.tenant, namespace)
+
+    def prompt(self, msg) -> tuple[np.ndarray, str | None]:
+        """The prompt of a request with ``tokens`` as this session's cache takes it: the int64 token ids (their
+        sign not checked here: ``PromptKeys.chunk_refs`` checks a prompt it has not seen) and the namespace.
+        Raises InputError for a tokens field that is not int64 ids."""
+        return P.unpack_tokens(msg.tokens, check_ids=False), self.namespace_for(msg.namespace)
+
+    def chunk_refs(self, msg, hasher=prefix_hashes) -> tuple[np.ndarray, list[ChunkRef]]:
+        """``KVCache.chunk_refs`` of a request's prompt (``prompt``, with its extra keys): memoised, so the
+        requests about one prompt hash it once. Raises InputError on bad tokens or extra keys."""
+        return self.cache.chunk_refs(*self.prompt(msg), extra_keys=msg.extra_keys, hasher=hasher)
 
 
 def scoped_namespace(tenant: str | None, namespace: str | None) -> str | None:

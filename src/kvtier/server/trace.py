@@ -187,8 +187,7 @@ class TraceRecorder:
             first = refs[0].index if refs else 0
         else:
             hint = None
-            tokens, refs = cache.chunk_refs(P.unpack_tokens(what.tokens), session.namespace_for(what.namespace),
-                                            extra_keys=what.extra_keys)
+            tokens, refs = session.chunk_refs(what)
             first = getattr(what, "start", 0) // self.chunk_size
             refs = refs[first:]
         record = TraceRecord(t=round(t, 6), op=op, tokens=len(tokens), first=first, chunks=self._digests(refs),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from support.server import CHUNK, LAYOUT, ServerProc, authenticated
@@ -113,6 +114,26 @@ def test_requests_before_hello_and_unknown_tickets_get_typed_errors(server):
     assert isinstance(reply, P.Error) and (reply.id, reply.code) == (6, "bad_payload")
     reply, _ = raw.ask(P.Lookup(id=9, tokens=P.pack_tokens(range(40))))
     assert isinstance(reply, P.LookupReply) and (reply.id, reply.num_tokens) == (9, 0)
+    raw.close()
+
+
+def test_negative_token_ids_on_the_wire_are_a_bad_request(server):
+    # the server checks the ids where it resolves a prompt it has not seen (not again for a memoised one)
+    raw = Raw(server.url)
+    raw.ask(hello())
+    short = np.arange(2 * CHUNK, dtype="<i8")
+    short[CHUNK + 3] = -5
+    long = np.arange(5000, dtype="<i8")  # past server.hash_offload_min_tokens: the hashing worker's path
+    long[-1] = -1
+    requests = [P.Lookup(id=1, tokens=short.tobytes()), P.Lookup(id=2, tokens=long.tobytes()),
+                P.StoreBegin(id=3, tokens=short.tobytes()), P.RetrieveBegin(id=4, tokens=short.tobytes()),
+                P.Prefetch(id=5, tokens=short.tobytes())]
+    for msg in requests:
+        reply, _ = raw.ask(msg)
+        assert isinstance(reply, P.Error) and (reply.id, reply.code) == (msg.id, "bad_request"), reply
+        assert "non-negative" in reply.message
+    short[CHUNK + 3] = 7  # the same prompt with valid ids is answered
+    assert raw.ask(P.Lookup(id=6, tokens=short.tobytes()))[0] == P.LookupReply(id=6, num_tokens=0, num_l1_tokens=0)
     raw.close()
 
 
