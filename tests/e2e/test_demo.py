@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvtier.connectors.hf_blend import DEFAULT_FRACTION
 from kvtier.demo.run import find_document
 from kvtier.errors import KVTierError
 
@@ -76,7 +77,7 @@ def test_demo_rag_json_answers_cold_prefix_only_and_blended():
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(summary) == set(RAG_FIELDS)
-    assert summary["blended"] is True and summary["num_questions"] == 2 and summary["fraction"] == 0.15
+    assert summary["blended"] is True and summary["num_questions"] == 2 and summary["fraction"] == DEFAULT_FRACTION
     assert summary["prefix_answers_identical"] == 2  # prefix reuse is exact
     # every document is reused wherever it stands, not only the prompt's leading chunks
     assert summary["blend_hit_rate"] > summary["prefix_hit_rate"] > 0
