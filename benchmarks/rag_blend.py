@@ -8,15 +8,19 @@ question; SmolLM2-135M-Instruct fp32 on CPU. For the same prompts, in one run, i
   prefix    prefix-only caching, ``HFConnector.prefill`` over its own KVCache, warmed with ``[prefix][doc]`` for
             every document (its hit rate: reused tokens / prompt tokens)
   blend@f   ``HFConnector.prefill_segments`` with recompute fraction ``f`` over its own KVCache, every document
-            stored once first (as a RAG server would); ``f`` = the default (0.15), 0 (reuse without recompute)
-            and every ``--sweep`` fraction
+            stored once first, computed after the system prefix (as a RAG server would); ``f`` = the default
+            (``hf_blend.DEFAULT_FRACTION``), 0 (reuse without recompute) and every ``--sweep`` fraction (1: a full
+            prefill, which must give identical answers)
 
 TTFT is call to logits of the last prompt token. Quality against the full prefill of the same prompt: the greedy
 first 32 answer tokens identical (% of prompts) and the mean KL divergence KL(full || blended) of the first
 answer token's distribution (nats).
 
-    PYTHONPATH=$PWD/src .venv/bin/python benchmarks/rag_blend.py [--prompts 40] [--sweep 0,0.05,0.1,0.15,0.2,0.3]
-        [--chart docs/img/rag_blend.png] [--seed 0]
+    PYTHONPATH=$PWD/src .venv/bin/python benchmarks/rag_blend.py [--prompts 40] [--sweep 0,0.05,0.1,0.15,0.2,0.3,1]
+        [--chart docs/img/rag_blend.png] [--seed 0] [--head-tokens N] [--refine-layers N] [--widen X]
+
+Besides TTFT, each blended row splits it into assembly (looking the documents up, copying and re-rotating their
+KV) and recompute (``blend.recompute``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from kvtier.blend import segments_from_lengths
 from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.connectors.hf import HFConnector, model_identity_of
-from kvtier.connectors.hf_blend import DEFAULT_FRACTION
+from kvtier.connectors.hf_blend import DEFAULT_FRACTION, DEFAULT_HEAD_TOKENS, DEFAULT_REFINE_LAYERS, DEFAULT_WIDEN
 from kvtier.models import kv_layout_of, load_smollm2
 
 NUM_DOCS = 8
@@ -95,9 +99,10 @@ def run(args) -> dict:
 
     # warm-up (not measured): the model once, then every document stored as a RAG server would
     full_prefill(model, torch.tensor([prompts[0][0]]))
+    knobs = {"head_tokens": args.head_tokens, "refine_layers": args.refine_layers, "widen": args.widen}
     for doc in docs:
         blend_conn.prefill_segments(torch.tensor([prefix + doc]),
-                                    segments_from_lengths([len(prefix), len(doc)], ["prefix", "doc"]))
+                                    segments_from_lengths([len(prefix), len(doc)], ["prefix", "doc"]), **knobs)
         prefix_conn.prefill(torch.tensor([prefix + doc]))
 
     rows = {"full": [], "prefix": [], **{f: [] for f in fractions}}
@@ -115,14 +120,16 @@ def run(args) -> dict:
         line = [f"prompt {n + 1:>3}: {ids.shape[1]} tokens, full {ref_ttft:.3f} s, prefix {stats['ttft_seconds']:.3f} s "
                 f"(hit {stats['num_hit_tokens']})"]
         for f in fractions:
-            logits, past, stats = blend_conn.prefill_segments(ids, segs, fraction=f)
-            assert stats["blended"] and stats["num_segment_stored"] == 0, stats  # every document was warmed
+            logits, past, stats = blend_conn.prefill_segments(ids, segs, fraction=f, **knobs)
+            assert f == 1 or (stats["blended"] and stats["num_segment_stored"] == 0), stats  # documents were warmed
             answer = blend_conn.decode(logits, past, ids.shape[1], ANSWER_TOKENS)
             rows[f].append({"ttft": stats["ttft_seconds"], "same": answer == ref_answer, "kl": kl(ref_logits, logits),
-                            "recomputed": stats["num_recomputed_tokens"] / ids.shape[1]})
+                            "recomputed": stats["num_recomputed_tokens"] / ids.shape[1],
+                            "assembly": stats.get("retrieve_seconds", 0.0), "recompute": stats.get("prefill_seconds",
+                                                                                                   stats["ttft_seconds"])})
             line.append(f"blend@{f:g} {stats['ttft_seconds']:.3f} s {'=' if answer == ref_answer else 'x'}")
         print(", ".join(line), flush=True)
-    return {"rows": rows, "fractions": fractions, "hit_rate": hit_tokens / prompt_tokens}
+    return {"rows": rows, "fractions": fractions, "hit_rate": hit_tokens / prompt_tokens, "knobs": knobs}
 
 
 def report(result: dict) -> list[dict]:
@@ -132,6 +139,7 @@ def report(result: dict) -> list[dict]:
     print(f"\nfull prefill (baseline)  mean TTFT {full:.3f} s (median {statistics.median(rows['full']):.3f})")
     print(f"prefix-only caching      mean TTFT {prefix:.3f} s = {prefix / full:.3f}x full; hit rate "
           f"{result['hit_rate'] * 100:.1f}% of prompt tokens")
+    print(f"blending knobs: {result['knobs']}")
     table = []
     for f in fractions:
         r = rows[f]
@@ -139,12 +147,15 @@ def report(result: dict) -> list[dict]:
         same = 100 * sum(x["same"] for x in r) / len(r)
         entry = {"fraction": f, "ttft_seconds": ttft, "ttft_vs_full": ttft / full, "ttft_vs_prefix": ttft / prefix,
                  "identical_percent": same, "mean_kl": statistics.mean(x["kl"] for x in r),
-                 "recomputed_share": statistics.mean(x["recomputed"] for x in r)}
+                 "recomputed_share": statistics.mean(x["recomputed"] for x in r),
+                 "assembly_seconds": statistics.mean(x["assembly"] for x in r),
+                 "recompute_seconds": statistics.mean(x["recompute"] for x in r)}
         table.append(entry)
         label = " (default)" if f == DEFAULT_FRACTION else " (reuse without recompute)" if f == 0 else ""
         print(f"blended @ {f:<5g}{label:<27} mean TTFT {ttft:.3f} s = {entry['ttft_vs_full']:.3f}x full, "
               f"{entry['ttft_vs_prefix']:.3f}x prefix-only; first {ANSWER_TOKENS} tokens identical {same:.1f}%, "
-              f"mean KL {entry['mean_kl']:.4f}, recomputed {entry['recomputed_share'] * 100:.1f}% of tokens")
+              f"mean KL {entry['mean_kl']:.4f}, recomputed {entry['recomputed_share'] * 100:.1f}% of tokens "
+              f"(assembly {entry['assembly_seconds']:.3f} s + recompute {entry['recompute_seconds']:.3f} s)")
     print("issue 18 targets: blended TTFT <= 0.35x full and <= 0.5x prefix-only; identical >= 90% at the default")
     return table
 
@@ -179,10 +190,16 @@ def chart(table: list[dict], path: Path, num_prompts: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=40, help="number of prompts (default 40)")
-    ap.add_argument("--sweep", default="0,0.05,0.1,0.15,0.2,0.3",
+    ap.add_argument("--sweep", default="0,0.05,0.1,0.15,0.2,0.3,1",
                     help="comma-separated recompute fractions in [0, 1] (the default and 0 always run)")
     ap.add_argument("--chart", type=Path, default=None, help="draw the sweep (TTFT ratio, identical %%) here")
     ap.add_argument("--seed", type=int, default=0, help="picks documents, subsets, order and questions")
+    ap.add_argument("--head-tokens", type=int, default=DEFAULT_HEAD_TOKENS,
+                    help="first tokens of each later document always recomputed")
+    ap.add_argument("--refine-layers", type=int, default=DEFAULT_REFINE_LAYERS,
+                    help="gradual filtering: layers narrowing the selection after the check layer (0: none)")
+    ap.add_argument("--widen", type=float, default=DEFAULT_WIDEN,
+                    help="with --refine-layers: how much larger the check layer's selection is")
     args = ap.parse_args()
     try:
         args.sweep = [float(x) for x in args.sweep.split(",") if x.strip()]

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import cbor2
 import xxhash
 
+from kvtier.hashing import as_token_array
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkKey:
@@ -83,14 +85,25 @@ SEGMENT_TAG = "segment:"
 SEGMENT_SEED_SUFFIX = "/kvtier-segment-v1"
 
 
-def segment_namespace(namespace: str = "") -> str:
-    """The namespace a segment's chunks are stored under (``kvtier.blend``): ``"segment:" + namespace``.
+def segment_namespace(namespace: str = "", context=None) -> str:
+    """The namespace a segment's chunks are stored under (``kvtier.blend``): ``"segment:" + namespace``, plus
+    ``"/after:" + context digest`` when the segment's KV was computed after ``context`` tokens.
 
     This is the segment domain tag: ``namespace_of`` gives ``""`` or hex and ``tenant_namespace`` starts with
     ``tenant:``, so no prefix chunk's namespace starts with it, and ``KVCache`` also chains a segment's block
     hashes from another root (``hash_seed + SEGMENT_SEED_SUFFIX``): a segment key never equals a prefix key.
+
+    ``context``: token ids (anything ``hashing.as_token_array`` takes) the document's KV was computed after (the
+    prompt's prefix, at positions ``0 .. len(context) - 1``), or None / empty for a document computed alone from
+    position 0. A document's KV depends on what it attended to, so that context is part of its key: the digest is
+    SHA-256 (128 bits kept) over the tokens as little-endian int64, their count included. Raises InputError on
+    bad context tokens.
     """
-    return SEGMENT_TAG + namespace
+    if context is None or len(context) == 0:
+        return SEGMENT_TAG + namespace
+    arr = as_token_array(context).astype("<i8", copy=False)
+    digest = hashlib.sha256(len(arr).to_bytes(8, "little") + arr.tobytes()).hexdigest()[:32]
+    return f"{SEGMENT_TAG}{namespace}/after:{digest}"
 
 
 def is_segment_namespace(namespace: str) -> bool:

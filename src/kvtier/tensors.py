@@ -7,6 +7,8 @@ that return torch tensors need it.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from kvtier.errors import KVTierError
@@ -35,6 +37,17 @@ def as_numpy(kv) -> np.ndarray:
     elif kv.element_size() == 1 and kv.dtype != torch.uint8:
         kv = kv.view(torch.uint8)
     return kv.detach().cpu().numpy()
+
+
+def as_torch(arr, dtype):
+    """A torch view of a numpy chunk array (an L1 slot, a shared-memory slot or a frame), no copy; ``dtype`` is the
+    KV's torch dtype (bf16 / fp8 arrive as same-size integers and are re-viewed). A read-only array gives a tensor
+    that must only be read. Raises KVTierError when torch is missing."""
+    torch = require_torch()
+    with warnings.catch_warnings():  # torch warns about read-only arrays: the caller only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t if t.dtype == dtype else t.view(dtype)
 
 
 def empty_kv(layout: KVLayout, num_tokens: int):

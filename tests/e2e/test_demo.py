@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvtier.connectors.hf_blend import DEFAULT_FRACTION
 from kvtier.demo.run import find_document
 from kvtier.errors import KVTierError
 
@@ -61,3 +62,37 @@ def test_a_bad_l1_size_stops_the_demo_before_the_model_loads(size, said):
                           check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr
     assert "SmolLM2" not in proc.stderr and "round 1" not in proc.stderr  # nothing was loaded or run
+
+
+RAG_FIELDS = ("num_documents", "num_questions", "fraction", "cold_ttft_seconds", "prefix_ttft_seconds",
+              "blend_ttft_seconds", "prefix_hit_rate", "blend_hit_rate", "blend_recomputed_share",
+              "prefix_answers_identical", "blend_answers_identical", "blended")
+
+
+@pytest.mark.model
+def test_demo_rag_json_answers_cold_prefix_only_and_blended():
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--rag", "--json", "--documents", "3", "--questions",
+                           "2", "--max-document-tokens", "96", "--chunk-size", "32", "--max-new-tokens", "4",
+                           "--server", "off"], check=False, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(summary) == set(RAG_FIELDS)
+    assert summary["blended"] is True and summary["num_questions"] == 2 and summary["fraction"] == DEFAULT_FRACTION
+    assert summary["prefix_answers_identical"] == 2  # prefix reuse is exact
+    # every document is reused wherever it stands, not only the prompt's leading chunks
+    assert summary["blend_hit_rate"] > summary["prefix_hit_rate"] > 0
+    assert 0 < summary["blend_recomputed_share"] < 0.5
+    for key in ("cold_ttft_seconds", "prefix_ttft_seconds", "blend_ttft_seconds"):
+        assert isinstance(summary[key], float) and summary[key] > 0
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--document", "/usr/share/common-licenses/GPL-3"], "--rag picks its own documents"),
+    (["--documents", "100000"], "only"),
+    (["--fraction", "1.5"], "1.5"),
+])
+def test_demo_rag_bad_input_stops_before_the_model_loads(args, said):
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--rag", "--server", "off", *args],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "SmolLM2" not in proc.stderr and "ingesting" not in proc.stderr

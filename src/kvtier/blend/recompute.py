@@ -1,11 +1,18 @@
 """Partial recompute in transformers: run a Llama-family model over an assembled KV cache, recomputing only
-selected tokens and scattering their new K/V back (tensors in, tensors out; no kvtier storage here).
+selected tokens and writing their new K/V over the reused ones in every layer (tensors in, tensors out; no
+kvtier storage here).
 
-Flow: layer 0 runs for every token (it is cheap and its output is what the deviation is measured on); the check
-layer's K/V of every token are projected from that output and compared with the reused K/V
-(``select.select_tokens``); from the check layer on only the selected tokens' hidden states go through the
-layers, their queries attending to the whole assembled cache (reused K/V for the others) under a causal mask by
-position. The decoder layers are the model's own modules; only their cache is ours (``ScatterCache``).
+Flow: the layers before the check layer run for every token (layer 0 is cheap and its output is what the
+deviation is measured on); the check layer's K/V of every token are projected from that output and compared
+with the reused K/V (``select.select_top``); from the check layer on only the selected tokens' hidden states go
+through the layers, their queries attending to the whole assembled cache (reused K/V for the others) under a
+causal mask by position. Gradual filtering (CacheBlend §4.3): with ``refine_layers`` > 0 the check layer keeps
+``widen`` times the final count, and each of the next ``refine_layers`` layers narrows the selection by the
+deviation of the K/V it has just recomputed, down to ``fraction``.
+
+The decoder layers are the model's own modules; only their cache is ours (``BlendCache``). The selected rows go
+through each layer in a few blocks in position order, each attending to the keys up to its last position only
+(a block's queries never see later keys, so the rest of the cache need not be read).
 """
 
 from __future__ import annotations
@@ -13,21 +20,43 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from kvtier.blend.select import kv_deviation, select_tokens
+from kvtier.blend.select import kv_deviation, select_top
+from kvtier.errors import BlendUnsupportedError
+
+MASKED_ATTENTION = ("sdpa", "eager")  # attention implementations whose masks we build (bool / additive float)
+MIN_BLOCK_ROWS = 64  # selected rows per attention block at least (each block is one more call of each layer)
+# Two blocks: with a mask, transformers' sdpa path repeats the KV heads for every call (a copy of the keys up to the
+# block's end), which eats the attention saved by more blocks; measured on SmolLM2 (420 rows of 3,300 tokens, per
+# layer): 1 block 23 ms, 2 blocks 16 ms, 4 blocks 22 ms.
+ATTENTION_BLOCKS = 2
 
 
-class ScatterCache:
-    """The ``past_key_values`` a decoder layer's attention sees: ``update`` writes the layer's new K/V
-    ``[1, H, S, D]`` at token indexes ``rows`` of that layer's full K/V ``[1, H, T, D]`` and returns the full K/V."""
+class BlendCache:
+    """The ``past_key_values`` a decoder layer's attention sees during a blended prefill.
+
+    ``keys[i]`` / ``values[i]`` ``[1, H, T, D]``: layer ``i``'s assembled K/V, written in place. Before each layer
+    call: ``rows`` (``[S]`` long, sorted token indexes the call computes; None: all T tokens), ``limit`` (the
+    K/V ``update`` returns: tokens ``[0, limit)``) and ``measure`` (keep the per-row deviation of the new K/V from
+    the old in ``deviation`` ``[S]``)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
         self.keys, self.values = keys, values
         self.rows: torch.Tensor | None = None
+        self.limit = keys[0].shape[2] if keys else 0
+        self.measure = False
+        self.deviation: torch.Tensor | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.keys[layer_idx][:, :, self.rows] = key_states
-        self.values[layer_idx][:, :, self.rows] = value_states
-        return self.keys[layer_idx], self.values[layer_idx]
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if self.rows is None:
+            k.copy_(key_states)
+            v.copy_(value_states)
+        else:
+            if self.measure:
+                self.deviation = kv_deviation(key_states, value_states, k[:, :, self.rows], v[:, :, self.rows])
+            k[:, :, self.rows] = key_states
+            v[:, :, self.rows] = value_states
+        return k[:, :, :self.limit], v[:, :, :self.limit]
 
 
 def _check_kv(layer, hidden, cos, sin):
@@ -46,50 +75,111 @@ def _check_kv(layer, hidden, cos, sin):
     return k, v
 
 
+def _row_blocks(rows: torch.Tensor, num_blocks: int) -> list[tuple[int, int]]:
+    """``[(i, j)]``: ``rows[i:j]``, consecutive blocks of about equal size (at least ``MIN_BLOCK_ROWS`` rows)."""
+    n = int(rows.numel())
+    count = max(1, min(num_blocks, n // MIN_BLOCK_ROWS))
+    edges = [round(n * b / count) for b in range(count + 1)]
+    return [(edges[b], edges[b + 1]) for b in range(count)]
+
+
+def _mask(rows: torch.Tensor, limit: int, eager: bool, dtype) -> torch.Tensor:
+    """``[1, 1, S, limit]``: row ``r`` may attend to tokens ``<= rows[r]`` (bool for sdpa, additive for eager)."""
+    allowed = torch.arange(limit)[None, :] <= rows[:, None]
+    if not eager:
+        return allowed[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
 @torch.inference_mode()
-def blend_prefill(model, input_ids: torch.Tensor, kv: torch.Tensor, reused: torch.Tensor, forced: torch.Tensor,
-                  fraction: float, check_layer: int = 1, exact: torch.Tensor | None = None):
-    """Prefill ``input_ids`` over the assembled ``kv``, recomputing the forced and the selected tokens.
+def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  reused: torch.Tensor, forced: torch.Tensor, fraction: float, *, check_layer: int = 1,
+                  exact: torch.Tensor | None = None, refine_layers: int = 0, widen: float = 1.0,
+                  attention_blocks: int = ATTENTION_BLOCKS):
+    """Prefill ``input_ids`` over the assembled K/V, recomputing the forced and the selected tokens.
 
     Args:
-        model: a Llama-family ``PreTrainedModel`` (``model.model.layers``, ``.norm``, ``.rotary_emb``, ``lm_head``).
+        model: a Llama-family ``PreTrainedModel`` (``model.model.layers``, ``.norm``, ``.rotary_emb``, ``lm_head``)
+            with ``sdpa`` or ``eager`` attention.
         input_ids: ``[1, T]`` long.
-        kv: ``(num_layers, 2, T, num_kv_heads, head_dim)`` in the model's dtype: reused K (already at the new
-            positions) and V where ``reused``; anything elsewhere (overwritten). Not mutated.
-        reused: ``[T]`` bool, tokens whose KV in ``kv`` may be kept.
-        forced: ``[T]`` bool, tokens always recomputed (the last token must be one: its logits are returned).
-        fraction: share of the reused, non-forced tokens to recompute, in [0, 1].
-        check_layer: the layer whose K/V deviation selects the tokens (>= 1).
-        exact: ``[T]`` bool or None, reused tokens whose KV is already exact (a reused prefix): never selected.
+        keys, values: per layer ``[1, num_kv_heads, T, head_dim]`` in the model's dtype: reused K (already at the
+            new positions) and V where ``reused``; anything elsewhere. **Mutated**: every recomputed token's K/V
+            is written over them, in every layer; they become the returned cache's tensors (no copy).
+        reused: ``[T]`` bool, tokens whose K/V in ``keys`` / ``values`` may be kept.
+        forced: ``[T]`` bool, tokens always recomputed (the last token is: its logits are returned).
+        fraction: share of the candidates (reused, not forced, not ``exact``) recomputed, in [0, 1].
+        check_layer: the layer whose K/V deviation selects the tokens, in [1, num_layers - 1].
+        exact: ``[T]`` bool or None, reused tokens whose K/V is already exact (a reused prefix): never selected.
+        refine_layers: gradual filtering: layers after the check layer that narrow the selection (0: none).
+        widen: with ``refine_layers``, the check layer keeps ``widen`` times the final count (>= 1).
+        attention_blocks: the selected rows go through each layer in up to this many blocks (>= 1).
 
     Returns:
-        ``(logits_last [1, vocab], DynamicCache of all T tokens, num_recomputed)``.
+        ``(logits_last [1, vocab], DynamicCache of all T tokens (over ``keys`` / ``values``), num_recomputed)``:
+        ``num_recomputed`` counts the tokens recomputed in the last layer (all T in the layers before the check).
+
+    Raises:
+        BlendUnsupportedError: an attention implementation other than sdpa or eager.
     """
+    impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    if impl not in MASKED_ATTENTION:
+        raise BlendUnsupportedError(f"blending builds attention masks for {', '.join(MASKED_ATTENTION)}, not "
+                                    f"{impl!r}; load the model with attn_implementation='sdpa'")
+    eager = impl == "eager"
     inner = model.model
     layers = inner.layers
     T = input_ids.shape[1]
     forced = forced | ~reused
-    per_layer = kv.transpose(2, 3).unsqueeze(2)  # (L, 2, 1, H, T, D)
-    cache = ScatterCache([per_layer[i, 0].clone() for i in range(len(layers))],
-                         [per_layer[i, 1].clone() for i in range(len(layers))])
+    candidates = reused & ~forced if exact is None else reused & ~forced & ~exact
+    num_candidates = int(candidates.sum())
+    refine_layers = max(0, min(refine_layers, len(layers) - 1 - check_layer))
+    final = round(fraction * num_candidates)
+    first = min(num_candidates, round(final * max(widen, 1.0))) if refine_layers else final
+    cache = BlendCache(keys, values)
     positions = torch.arange(T).unsqueeze(0)
     hidden = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(hidden, positions)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    rows = torch.arange(T)
+    full_mask = _mask(positions[0], T, True, hidden.dtype) if eager else None  # None: sdpa's own causal kernel
+    rows = positions[0]
     for i, layer in enumerate(layers):
+        if i < check_layer:  # every token, in order
+            cache.rows = None
+            hidden = _call(layer, hidden, full_mask, positions, cache, cos, sin)
+            continue
         if i == check_layer:
             k, v = _check_kv(layer, hidden, cos, sin)
-            deviation = kv_deviation(k, v, cache.keys[i], cache.values[i])
-            candidates = reused if exact is None else reused & ~exact
-            rows = select_tokens(deviation, candidates, forced, fraction)
+            rows = select_top(kv_deviation(k, v, keys[i], values[i]), candidates, forced, first)
             hidden, cos, sin = hidden[:, rows], cos[:, rows], sin[:, rows]
-        cache.rows = rows
-        mask = causal[rows][None, None] if len(rows) < T or i < check_layer else causal[None, None]
-        hidden = layer(hidden, attention_mask=mask, position_ids=positions[:, rows],
-                       past_key_values=cache, position_embeddings=(cos, sin))
-        if isinstance(hidden, tuple):
-            hidden = hidden[0]
+        step = i - check_layer  # layers check+1 .. check+refine_layers narrow the selection
+        cache.measure = 1 <= step <= refine_layers
+        outs, devs = [], []
+        for a, b in _row_blocks(rows, attention_blocks):
+            block = rows[a:b]
+            cache.rows, cache.limit = block, int(block[-1]) + 1
+            outs.append(_call(layer, hidden[:, a:b], _mask(block, cache.limit, eager, hidden.dtype),
+                              positions[:, block], cache, cos[:, a:b], sin[:, a:b]))
+            devs.append(cache.deviation)
+        hidden = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if cache.measure:
+            count = round(first + (final - first) * step / refine_layers)
+            keep = select_top(torch.cat(devs), candidates[rows], forced[rows], count)
+            rows, hidden, cos, sin = rows[keep], hidden[:, keep], cos[:, keep], sin[:, keep]
+    cache.measure = False
     logits = model.lm_head(inner.norm(hidden[:, -1:]))[:, -1, :]
-    past = DynamicCache(ddp_cache_data=list(zip(cache.keys, cache.values)), config=model.config)
-    return logits, past, int(len(rows))
+    return logits, cache_over(keys, values, model.config), int(len(rows))
+
+
+def _call(layer, hidden, mask, positions, cache, cos, sin):
+    out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                position_embeddings=(cos, sin))
+    return out[0] if isinstance(out, tuple) else out
+
+
+def cache_over(keys: list[torch.Tensor], values: list[torch.Tensor], config) -> DynamicCache:
+    """A ``DynamicCache`` whose layers hold ``keys[i]`` / ``values[i]`` themselves (no copy; transformers'
+    ``ddp_cache_data`` would concatenate, i.e. copy, each layer once)."""
+    cache = DynamicCache(config=config)
+    for layer, k, v in zip(cache.layers, keys, values):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache

@@ -7,14 +7,13 @@ V carries no position and is reused as stored. That holds for RoPE whose frequen
 sequence length and whose cos/sin are not scaled: ``rope_type`` ``default``, ``linear`` and ``llama3``
 (Llama, SmolLM2, Mistral, Qwen2/3). Anything else is refused with ``BlendUnsupportedError``.
 
-Layout (HF Llama ``rotate_half``): channel ``i`` pairs with ``i + head_dim/2``, ``cos``/``sin`` are
-``cat(freqs, freqs)``.
+Layout (HF Llama ``rotate_half``, the pairing the model itself rotates with): channel ``i`` pairs with
+``i + head_dim/2``, ``cos``/``sin`` are ``cat(freqs, freqs)``.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.models.llama.modeling_llama import rotate_half  # the pairing the model itself rotates with
 
 from kvtier.errors import BlendUnsupportedError
 
@@ -74,7 +73,31 @@ class RopeRotator:
         """
         if offset == 0:
             return k
+        out = torch.empty_like(k)
+        self.rotate_into(out, k, offset)
+        return out
+
+    def rotate_into(self, dst: torch.Tensor, src: torch.Tensor, offset: int) -> None:
+        """Write ``src`` (keys ``(..., head_dim)`` computed at positions ``p``) rotated by ``offset`` positions
+        into ``dst`` (same shape, any strides, e.g. a transposed view of a cache buffer): the keys at ``p + offset``.
+
+        The angles are computed in float64 and the rotation in float32 (the model's precision for float32 K;
+        bfloat16/float16 K is widened first), without temporaries of ``src``'s size for float32.
+        Mutates ``dst`` only; ``dst`` must not overlap ``src``.
+        """
+        if offset == 0:
+            dst.copy_(src)
+            return
         cos, sin = self.cos_sin(torch.tensor([offset]))
-        cos, sin = cos[0, None, :], sin[0, None, :]  # [1, D]: broadcast over heads and tokens
-        k64 = k.to(torch.float64)
-        return (k64 * cos + rotate_half(k64) * sin).to(k.dtype)
+        half = cos.shape[-1] // 2
+        c, s = cos[0, :half].to(torch.float32), sin[0, :half].to(torch.float32)  # cos/sin are cat(f, f): one half
+        wide = src if src.dtype == torch.float32 else src.to(torch.float32)
+        out = dst if dst.dtype == torch.float32 else torch.empty(dst.shape, dtype=torch.float32)
+        x1, x2 = wide[..., :half], wide[..., half:]
+        o1, o2 = out[..., :half], out[..., half:]
+        torch.mul(x1, c, out=o1)  # rotate_half(x) = cat(-x2, x1)
+        o1.addcmul_(x2, s, value=-1.0)
+        torch.mul(x2, c, out=o2)
+        o2.addcmul_(x1, s)
+        if out is not dst:
+            dst.copy_(out)

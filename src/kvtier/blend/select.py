@@ -27,7 +27,7 @@ def kv_deviation(k_new, v_new, k_old, v_old) -> torch.Tensor:
 def select_tokens(deviation: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor,
                   fraction: float) -> torch.Tensor:
     """Sorted token indexes to recompute: every ``forced`` token plus the ``round(fraction * num candidates)``
-    ``candidates`` of highest ``deviation``.
+    ``candidates`` (not forced) of highest ``deviation``.
 
     Args:
         deviation: ``[T]`` float, per-token deviation at the check layer.
@@ -35,10 +35,15 @@ def select_tokens(deviation: torch.Tensor, candidates: torch.Tensor, forced: tor
         forced: ``[T]`` bool, tokens always recomputed (no reused KV, the question, each segment's head).
         fraction: in [0, 1].
     """
+    return select_top(deviation, candidates, forced, round(fraction * int((candidates & ~forced).sum())))
+
+
+def select_top(deviation: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor, count: int) -> torch.Tensor:
+    """Sorted indexes (into these ``[N]`` tensors) of every ``forced`` entry plus the ``count`` ``candidates``
+    (not forced) of highest ``deviation`` (all of them when there are fewer)."""
     chosen = forced.clone()
     idx = torch.nonzero(candidates & ~forced).flatten()
-    k = int(round(fraction * int(idx.numel())))
-    if k:
-        top = torch.topk(deviation[idx], k).indices
-        chosen[idx[top]] = True
+    count = min(int(count), int(idx.numel()))
+    if count > 0:
+        chosen[idx[torch.topk(deviation[idx], count).indices]] = True
     return torch.nonzero(chosen).flatten()

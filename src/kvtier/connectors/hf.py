@@ -47,8 +47,8 @@ def kv_to_dynamic_cache(kv: torch.Tensor, config) -> DynamicCache:
                         config=config)
 
 
-def dynamic_cache_to_kv(cache: DynamicCache, num_tokens: int) -> torch.Tensor:
-    """Copy the first ``num_tokens`` tokens of a batch-1 ``DynamicCache`` into kvtier's layout.
+def dynamic_cache_to_kv(cache: DynamicCache, num_tokens: int, start: int = 0) -> torch.Tensor:
+    """Copy tokens ``[start, start + num_tokens)`` of a batch-1 ``DynamicCache`` into kvtier's layout.
 
     Returns:
         a new contiguous tensor ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)`` in the cache's dtype.
@@ -56,9 +56,10 @@ def dynamic_cache_to_kv(cache: DynamicCache, num_tokens: int) -> torch.Tensor:
     layers = cache.layers
     _, heads, _, head_dim = layers[0].keys.shape
     out = torch.empty((len(layers), 2, num_tokens, heads, head_dim), dtype=layers[0].keys.dtype)
+    end = start + num_tokens
     for i, layer in enumerate(layers):
-        out[i, 0].copy_(layer.keys[0, :, :num_tokens].transpose(0, 1))  # [H, n, D] -> [n, H, D]
-        out[i, 1].copy_(layer.values[0, :, :num_tokens].transpose(0, 1))
+        out[i, 0].copy_(layer.keys[0, :, start:end].transpose(0, 1))  # [H, n, D] -> [n, H, D]
+        out[i, 1].copy_(layer.values[0, :, start:end].transpose(0, 1))
     return out
 
 
@@ -219,13 +220,12 @@ class HFConnector:
             tokens = tokens[:end]
         return int(self.cache.store(tokens, dynamic_cache_to_kv(past, tokens.shape[0])))
 
-    def prefill_segments(self, input_ids, segments, *, fraction: float = 0.15, head_tokens: int = 1,
-                         check_layer: int = 1):
+    def prefill_segments(self, input_ids, segments, **knobs):
         """Blended prefill of a prompt marked as ``kvtier.blend.Segment`` s: each document's KV reused wherever it
-        stands (``connectors.hf_blend.prefill_segments``: arguments, returns, raises)."""
+        stands (``connectors.hf_blend.prefill_segments``: the knobs ``fraction``, ``head_tokens``,
+        ``check_layer``, ``refine_layers``, ``widen``, the returns, what it raises)."""
         from kvtier.connectors.hf_blend import prefill_segments
-        return prefill_segments(self, input_ids, segments, fraction=fraction, head_tokens=head_tokens,
-                                check_layer=check_layer)
+        return prefill_segments(self, input_ids, segments, **knobs)
 
     @torch.inference_mode()
     def decode(self, logits, past, num_prompt_tokens: int, max_new_tokens: int = 32, eos_token_id=None) -> list[int]:

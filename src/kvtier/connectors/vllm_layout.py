@@ -13,12 +13,12 @@ Every function here works on whole blocks: token ranges must start on a block bo
 from __future__ import annotations
 
 import re
-import warnings
 
 import torch
 
 from kvtier.errors import InputError
 from kvtier.layout import KVLayout
+from kvtier.tensors import as_torch  # noqa: F401  (re-exported: the vLLM worker's chunk views)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -108,16 +108,6 @@ def scatter_layer(kv_layer: torch.Tensor, block_ids, block_size: int, src: torch
     idx = torch.as_tensor(list(block_ids[:nb]), dtype=torch.long)
     blocks = src.reshape(2, nb, block_size, heads, head_dim).permute(1, 3, 0, 2, 4)  # (nb, H, 2, bs, D)
     _blocks(kv_layer, block_size).index_copy_(0, idx, blocks.to(kv_layer.dtype))
-
-
-def as_torch(arr, dtype: torch.dtype) -> torch.Tensor:
-    """A torch view of a numpy chunk array (a shared-memory slot or a frame), no copy; ``dtype`` is the KV
-    dtype (bf16 / fp8 arrive as same-size integers and are re-viewed). A read-only array gives a tensor
-    that must only be read."""
-    with warnings.catch_warnings():  # torch warns about read-only arrays: the caller only reads them
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(arr)
-    return t if t.dtype == dtype else t.view(dtype)
 
 
 def block_views(kv_caches) -> list[torch.Tensor]:

@@ -39,6 +39,41 @@ def print_table(result: dict) -> None:
                   f"Warm answer identical to cold: {s['outputs_identical']}")
 
 
+def print_rag_table(result: dict) -> None:
+    """The ``--rag`` questions as a rich table on stdout (TTFT and answer of cold, prefix-only and blended), then
+    the medians."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    s = result["summary"]
+    table = Table(title=f"kvtier demo --rag: SmolLM2-135M-Instruct, {s['num_documents']} documents, blended at "
+                        f"{s['fraction']:g} recompute (cache: {result['mode']})")
+    for name in ("#", "documents", "tokens", "cold TTFT (s)", "prefix-only TTFT (s) (hit tokens)",
+                 "blended TTFT (s) (recomputed)"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for name in ("cold answer", "prefix-only answer", "blended answer"):
+        table.add_column(name, overflow="fold", min_width=20)
+    for i, r in enumerate(result["rows"]):
+        same = lambda key: "" if r[key] else " (differs)"  # noqa: E731
+        table.add_row(str(i + 1), ",".join(map(str, r["order"])), str(r["num_prompt_tokens"]),
+                      f"{r['cold_ttft_seconds']:.3f}", f"{r['prefix_ttft_seconds']:.3f} ({r['prefix_hit_tokens']})",
+                      f"{r['blend_ttft_seconds']:.3f} ({r['blend_recomputed_tokens']})", escape(r["cold_answer"]),
+                      escape(r["prefix_answer"]) + same("prefix_identical"),
+                      escape(r["blend_answer"]) + same("blend_identical"))
+    console = Console(width=None if sys.stdout.isatty() else 220)
+    console.print(table)
+    for i, path in enumerate(result["documents"]):
+        console.print(f"document {i}: {path}")
+    cold = s["cold_ttft_seconds"]
+    console.print(f"median TTFT: cold {cold:.2f} s; prefix-only {s['prefix_ttft_seconds']:.2f} s "
+                  f"({s['prefix_ttft_seconds'] / cold:.2f}x, hit rate {s['prefix_hit_rate'] * 100:.0f}%); blended "
+                  f"{s['blend_ttft_seconds']:.2f} s ({s['blend_ttft_seconds'] / cold:.2f}x, "
+                  f"{s['blend_recomputed_share'] * 100:.0f}% of tokens recomputed). Answers identical to cold: "
+                  f"prefix-only {s['prefix_answers_identical']}/{s['num_questions']}, "
+                  f"blended {s['blend_answers_identical']}/{s['num_questions']}")
+
+
 @click.command("demo")
 @click.option("--document", type=click.Path(dir_okay=False), default=None,
               help="Text file to ask about (default: the GPL-3 text in /usr/share/common-licenses).")
@@ -57,25 +92,41 @@ def print_table(result: dict) -> None:
               help="Print only a JSON summary: cold_ttft_seconds, warm_ttft_seconds, cross_process_ttft_seconds, num_prompt_tokens, "
                    "num_hit_tokens, outputs_identical.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--max-document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Cut the document to at most this many tokens (at a line end).")
+@click.option("--max-document-tokens", type=click.IntRange(min=1), default=None,
+              help="Cut each document to at most this many tokens (at a line end) [default: 2048; with --rag: 512].")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch CPU threads in both processes [default: torch's, one per core]. On a machine shared "
                    "with other busy processes, 1 avoids threads waiting on each other.")
 @click.option("--events", is_flag=True, help="Show the KV cache events of each round (needs --server off).")
+@click.option("--rag", is_flag=True,
+              help="RAG instead: questions over shuffled subsets of --documents real documents, each answered cold, "
+                   "with prefix-only caching and with blended reuse (documents reused wherever they stand).")
+@click.option("--documents", "num_documents", type=click.IntRange(min=1), default=5, show_default=True,
+              help="--rag: documents (the licences Debian ships, then package READMEs).")
+@click.option("--questions", "num_questions", type=click.IntRange(min=1), default=4, show_default=True,
+              help="--rag: questions, each over its own shuffled subset of the documents.")
+@click.option("--per-question", type=click.IntRange(min=1), default=3, show_default=True,
+              help="--rag: documents in each question's prompt.")
+@click.option("--fraction", type=click.FloatRange(0, 1), default=None,
+              help="--rag: share of the reused document tokens recomputed by blending [default: kvtier's, "
+                   "connectors.hf_blend.DEFAULT_FRACTION].")
+@click.option("--seed", type=int, default=0, show_default=True, help="--rag: picks the documents and the subsets.")
 @click.option("--child", is_flag=True, hidden=True)
 def demo(document, rounds, chunk_size, l1_size_gb, disk_path, server, as_json, max_new_tokens,
-         max_document_tokens, threads, events, child):
-    """Multi-round QA over a long document on SmolLM2-135M-Instruct, showing TTFT with kvtier."""
+         max_document_tokens, threads, events, rag, num_documents, num_questions, per_question, fraction, seed, child):
+    """Multi-round QA over a long document on SmolLM2-135M-Instruct, showing TTFT with kvtier (--rag: questions
+    over shuffled documents, cold vs prefix-only vs blended)."""
     opts = {"document": document, "rounds": rounds, "chunk_size": chunk_size, "l1_size_gb": l1_size_gb,
             "disk_path": disk_path, "server": server, "max_new_tokens": max_new_tokens,
-            "max_document_tokens": max_document_tokens, "threads": threads, "events": events,
-            "progress": not as_json}
+            "max_document_tokens": max_document_tokens or (512 if rag else 2048), "threads": threads,
+            "events": events, "progress": not as_json}
     if child:
         if server == "auto" or (server == "off" and not disk_path):
             raise InputError("--child needs a server URL, or --server off with --disk-path (the demo starts it)")
         run_child_round(opts)
         return
+    if rag and (document or events):
+        raise InputError("--rag picks its own documents and has no --events; drop --document / --events")
     if events and server != "off":
         raise InputError("--events shows the in-process cache's events: add --server off "
                          "(with a server, watch them with `kvtier events`)")
@@ -83,9 +134,17 @@ def demo(document, rounds, chunk_size, l1_size_gb, disk_path, server, as_json, m
         raise InputError(f"--l1-size-gb must be positive, got {l1_size_gb!r}; e.g. 1 or 512MiB")
     started = time.perf_counter()
     log = (lambda msg: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    result = run_demo(opts, log=log)
+    if rag:
+        from kvtier.connectors.hf_blend import DEFAULT_FRACTION
+        from kvtier.demo.rag import run_rag_demo
+
+        opts.update(documents=num_documents, questions=num_questions, per_question=per_question, seed=seed,
+                    fraction=DEFAULT_FRACTION if fraction is None else fraction)
+        result, show = run_rag_demo(opts, log=log), print_rag_table
+    else:
+        result, show = run_demo(opts, log=log), print_table
     if as_json:
         click.echo(json.dumps(result["summary"]))
     else:
-        print_table(result)
+        show(result)
         click.echo(f"demo finished in {time.perf_counter() - started:.1f} s", err=True)

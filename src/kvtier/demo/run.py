@@ -219,6 +219,36 @@ def run_child(opts: dict, document_path: Path, server_url: str | None, disk_path
     return json.loads(lines[-1])
 
 
+@contextlib.contextmanager
+def cache_place(opts: dict, log):
+    """Where the demo's cache lives, from ``opts["server"]`` (``"auto"``: a server started here, ``"off"``: in
+    process, else a running server's URL) and ``opts["disk_path"]`` (None: a temporary folder, removed at the end).
+    Yields ``(server_url or None, admin_token or None, disk_path or None)``; stops what it started."""
+    mode = opts["server"] or "auto"
+    with contextlib.ExitStack() as stack:
+        disk_path = opts["disk_path"]
+        if disk_path is None and mode in ("auto", "off"):
+            disk_path = tempfile.mkdtemp(prefix="kvtier-demo-")
+            stack.callback(shutil.rmtree, disk_path, ignore_errors=True)
+        server_url, admin_token = (None if mode == "off" else mode), None
+        if mode == "auto":
+            server_url, admin_token = stack.enter_context(own_server(opts["chunk_size"], opts["l1_size_gb"], disk_path, log))
+        yield server_url, admin_token, disk_path
+
+
+@contextlib.contextmanager
+def cleared_cache(model, opts: dict, server_url, admin_token, disk_path):
+    """The demo's cache (``open_cache``), emptied first so the first round is cold (another server: with
+    ``$KVTIER_ADMIN_TOKEN``), closed at the end."""
+    cache = open_cache(model, server=server_url, chunk_size=opts["chunk_size"], l1_size_gb=opts["l1_size_gb"],
+                       disk_path=disk_path, events=opts.get("events", False))
+    try:
+        cache.clear(**({"admin_token": admin_token} if admin_token else {}))
+        yield cache
+    finally:
+        cache.close()
+
+
 def run_demo(opts: dict, log=lambda msg: None) -> dict:
     """The whole demo flow; returns the rounds and the summary (the ``--json`` fields).
 
@@ -237,20 +267,11 @@ def run_demo(opts: dict, log=lambda msg: None) -> dict:
 
     mode = opts["server"] or "auto"
     with contextlib.ExitStack() as stack:
-        disk_path = opts["disk_path"]
-        if disk_path is None and mode in ("auto", "off"):
-            disk_path = tempfile.mkdtemp(prefix="kvtier-demo-")
-            stack.callback(shutil.rmtree, disk_path, ignore_errors=True)
-        server_url, admin_token = (None if mode == "off" else mode), None
-        if mode == "auto":
-            server_url, admin_token = stack.enter_context(own_server(opts["chunk_size"], opts["l1_size_gb"], disk_path, log))
+        server_url, admin_token, disk_path = stack.enter_context(cache_place(opts, log))
         model, tokenizer = load_smollm2(progress=opts.get("progress", True))
         _warm_up(model, opts.get("threads"))
         document = read_document(tokenizer, document_path, opts["max_document_tokens"])
-        cache = open_cache(model, server=server_url, chunk_size=opts["chunk_size"], l1_size_gb=opts["l1_size_gb"],
-                           disk_path=disk_path, events=opts.get("events", False))
-        stack.callback(cache.close)
-        cache.clear(**({"admin_token": admin_token} if admin_token else {}))  # another server: $KVTIER_ADMIN_TOKEN
+        cache = stack.enter_context(cleared_cache(model, opts, server_url, admin_token, disk_path))
         connector = HFConnector(model, cache)
         questions = [QUESTIONS[0], QUESTIONS[0], *QUESTIONS[1:]]
         rounds = []

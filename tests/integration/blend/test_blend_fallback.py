@@ -86,3 +86,31 @@ def test_document_stored_under_another_dtype_is_a_miss():
     assert logits.dtype == torch.bfloat16 and torch.equal(logits, alone)
     _, _, stats = conn32.prefill_segments(ids, segs)
     assert stats["num_segment_hit_tokens"] == 73 and stats["num_segment_stored"] == 0
+
+
+@torch.inference_mode()
+def test_document_stored_by_another_model_is_a_miss():
+    model_a, model_b = tiny_model(seed=3), tiny_model(seed=4)  # same architecture and layout, other weights
+    ids = torch.cat([_ids(40, 5), _ids(33, 6), _ids(6, 7)], dim=1)
+    segs = segments_from_lengths([40, 33, 6], ["doc", "doc", "text"])
+    cache_a = _cache(model_a, "model-a")
+    HFConnector(model_a, cache_a).prefill_segments(ids, segs)
+    conn_b = HFConnector(model_b, _cache(model_b, "model-b", tiers=cache_a.tiers))
+    logits, _, stats = conn_b.prefill_segments(ids, segs, fraction=0.0)
+    assert stats["num_segment_hit_tokens"] == 0 and stats["num_segment_stored"] == 2
+    alone, _, _ = HFConnector(model_b, _cache(model_b, "model-b")).prefill_segments(ids, segs, fraction=0.0)
+    assert torch.equal(logits, alone)  # model b's own KV only
+
+
+@pytest.mark.parametrize("knobs, said", [
+    ({"head_tokens": -1}, "head_tokens"), ({"check_layer": 0}, r"check_layer must be an int in \[1, 1\]"),
+    ({"check_layer": 2}, "check_layer"), ({"refine_layers": -1}, "refine_layers"), ({"widen": 0.5}, "widen"),
+    ({"fraction": -0.5}, r"\[0, 1\]"),
+])
+def test_bad_blending_knobs_are_refused(knobs, said):
+    from kvtier.errors import InputError
+
+    model = tiny_model(seed=3)
+    conn = HFConnector(model, _cache(model))
+    with pytest.raises(InputError, match=said):
+        conn.prefill_segments(_ids(40, 1), segments_from_lengths([34, 6], ["doc", "text"]), **knobs)

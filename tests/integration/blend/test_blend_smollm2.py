@@ -14,6 +14,7 @@ from kvtier.keys import segment_namespace
 from kvtier.models import kv_layout_of, load_smollm2
 
 CHUNK = 64
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,40 @@ def test_full_recompute_equals_full_prefill_and_blend_reuses(smol):
     assert stats["blended"] and stats["num_segment_hit_tokens"] == 150 and stats["num_segment_stored"] == 0
     assert stats["num_recomputed_tokens"] < 60
     assert int(logits.argmax()) == int(full.argmax())
+
+
+@torch.inference_mode()
+def test_document_after_the_prefix_with_no_recompute_equals_prefix_reuse(smol):
+    p, d, q = _ids(70, 7), _ids(100, 8), _ids(9, 9)
+    ids = torch.cat([p, d, q], dim=1)
+    segs = segments_from_lengths([70, 100, 9], ["prefix", "doc", "text"])
+    conn = HFConnector(smol, _cache(smol))
+    conn.prefill_segments(ids, segs)  # stores the document (computed after the prefix) and the prefix's chunk
+    logits, past, stats = conn.prefill_segments(ids, segs, fraction=0.0)
+    assert stats["num_segment_hit_tokens"] == 100 and stats["num_segment_stored"] == 0
+    assert stats["num_hit_tokens"] == CHUNK + 100 and stats["num_recomputed_tokens"] == 70 - CHUNK + 9
+
+    prefix_conn = HFConnector(smol, _cache(smol))
+    prefix_conn.prefill(ids)
+    ref_logits, ref_past, ref_stats = prefix_conn.prefill(ids)  # prefix reuse of the same prompt
+    assert ref_stats["num_hit_tokens"] == 2 * CHUNK
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(dynamic_cache_to_kv(past, 179), dynamic_cache_to_kv(ref_past, 179), atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_a_document_computed_after_another_prefix_is_a_miss(smol):
+    p1, p2, d, q = _ids(20, 10), _ids(20, 11), _ids(90, 12), _ids(5, 13)
+    segs = segments_from_lengths([20, 90, 5], ["prefix", "doc", "text"])
+    conn = HFConnector(smol, _cache(smol))
+    _, _, stats = conn.prefill_segments(torch.cat([p1, d, q], dim=1), segs)
+    assert stats["num_segment_stored"] == 1
+    _, _, stats = conn.prefill_segments(torch.cat([p2, d, q], dim=1), segs)
+    assert stats["num_segment_stored"] == 1 and stats["num_segment_hit_tokens"] == 0  # its KV depends on the prefix
+    _, _, stats = conn.prefill_segments(torch.cat([p1, d, q], dim=1), segs)
+    assert stats["num_segment_stored"] == 0 and stats["num_segment_hit_tokens"] == 90
+    names = {segment_namespace("", p1[0]), segment_namespace("", p2[0]), segment_namespace(""), segment_namespace("x", p1[0])}
+    assert len(names) == 4
 
 
 def test_segment_keys_differ_from_prefix_keys_and_by_model(smol):
