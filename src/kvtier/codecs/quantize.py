@@ -125,8 +125,10 @@ class _OneByte(Transform):
                 nbytes = 2 * math.prod(shape)
                 torch.from_numpy(out[offset:offset + nbytes].view(np.float16)).view(shape).copy_(stat)
                 offset += nbytes
-            shift = _expand(stats[1].float(), mode, group, span, num_tokens, layout.head_dim) if len(stats) == 2 else 0
-            y = (x - shift).div_(_expand(stats[0].float(), mode, group, span, num_tokens, layout.head_dim))
+            y = x.clone() if x.dtype == kv.dtype else x  # never written: ``kv`` may be read-only
+            if len(stats) == 2:
+                _per_group_(y, stats[1].float(), mode, group, span, torch.Tensor.sub_)
+            _per_group_(y, stats[0].float(), mode, group, span, torch.Tensor.div_)
             quantized[:, part] = self._to_bytes(y.clamp_(-self.QMAX, self.QMAX))
         if sink:  # the chunk's first tokens as they were (after the scales: the quantized part keeps its offsets)
             out[offset:] = kv[:, :, :sink].contiguous().view(torch.uint8).reshape(-1).numpy()
@@ -177,15 +179,13 @@ class _OneByte(Transform):
         group, span = int(params["group"]), int(params.get("span", 0))
         for part, mode in enumerate(_part_modes(params["scale"])):
             scale_shape = _scale_shape(mode, params, layout, num_tokens)
-            stats = []
-            for _ in range(_stats_per_part(mode, params)):
+            part_values = values[:, part]
+            for op in (torch.Tensor.mul_, torch.Tensor.add_)[:_stats_per_part(mode, params)]:  # scales, offsets
                 nbytes = 2 * math.prod(scale_shape)
-                stat = data[offset:offset + nbytes].view(np.float16).astype(np.float32)
-                stats.append(_expand(torch.from_numpy(stat).view(scale_shape), mode, group, span, num_tokens,
-                                     layout.head_dim))
+                stat = torch.from_numpy(data[offset:offset + nbytes].view(np.float16).astype(np.float32))
+                _per_group_(part_values, stat.view(scale_shape), mode, group, span, op)
                 offset += nbytes
-            part_values = values[:, part].mul_(stats[0])
-            out[:, part] = part_values.add_(stats[1]) if len(stats) == 2 else part_values
+            out[:, part] = part_values
         sink = _sink_tokens(params, num_tokens)
         if sink:
             kept = torch.from_numpy(data[offset:].copy())  # a copy: ``data`` may be read-only
@@ -233,13 +233,22 @@ def _group_reduce(x, sink: int, size: int, neutral: float, reduce):
     return reduce(_pad_to(x, 1, size, neutral).unflatten(1, (-1, size)), dim=2)
 
 
-def _expand(scale, mode: str, group: int, span: int, num_tokens: int, head_dim: int):
-    """Scales (or offsets) broadcastable against (num_layers, num_tokens, heads, head_dim)."""
-    if mode == "token":
-        return scale if scale.shape[-1] == 1 else scale.repeat_interleave(span, dim=-1)[..., :head_dim]
-    if not num_tokens:
-        return scale
-    return scale.repeat_interleave(group or num_tokens, dim=1)[:, :num_tokens]
+def _per_group_(t, stat, mode: str, group: int, span: int, op) -> None:
+    """Apply ``op(view, stat)`` (``torch.Tensor.mul_`` / ``div_`` / ``add_`` / ``sub_``, in place) to ``t`` (num_layers,
+    num_tokens, heads, head_dim) with each group's ``stat`` (scales or offsets, ``_scale_shape``): the groups are
+    views of ``t``, so the statistics broadcast without being expanded to ``t``'s size. A shorter last group
+    (the chunk's last tokens, or head_dim's last elements) gets its own call."""
+    dim = 1 if mode == "channel" else 3
+    n = t.shape[dim]
+    if not n:
+        return
+    size = (group if mode == "channel" else span) or n
+    full = n - n % size
+    if full:
+        view = t.narrow(dim, 0, full).unflatten(dim, (full // size, size))
+        op(view, stat.narrow(dim, 0, full // size).unsqueeze(dim + 1))
+    if full < n:
+        op(t.narrow(dim, full, n - full), stat.narrow(dim, full // size, 1))
 
 
 class Fp8E4M3(_OneByte):
