@@ -10,8 +10,9 @@ chunks, best of ``--repeat`` passes; GB/s = raw chunk bytes (10**9) per second, 
 chunks into a buffer (``np.copyto``) in the same run. Ratio = raw bytes / encoded bytes over those chunks, and
 against the bf16 size.
 
-Quality: for each lossy codec, the prefix KV goes through encode + decode and is loaded back into the model
-(``DynamicCache``); the model then reads the next ``--tail-tokens`` tokens of the text (as kvtier's connector
+Quality: for each lossy codec, the prefix KV (``--prefix-chunks`` chunks, each encoded on its own as kvtier stores
+them; 2 chunks = the 512 tokens ``vllm_codec_quality.py`` restores) goes through encode + decode and is loaded back
+into the model (``DynamicCache``); the model then reads the next ``--tail-tokens`` tokens of the text (as kvtier's connector
 prefills what follows a hit) and answers greedily for ``--new-tokens`` tokens. Reported against the same steps on
 the raw KV: answers identical (share of prompts), top-1 agreement and mean KL(raw || codec) of the next-token
 distributions at the tail's positions.
@@ -113,12 +114,16 @@ def run_tails(model, kvs: list[torch.Tensor], tail: torch.Tensor, new_tokens: in
     return logprobs, torch.stack(answers, dim=1)
 
 
-def lossy_round_trip(spec: str, kv: torch.Tensor, layout) -> torch.Tensor:
+def lossy_round_trip(spec: str, kv: torch.Tensor, layout, chunk_tokens: int) -> torch.Tensor:
+    """``kv`` (a prefix of whole chunks) after encode + decode, chunk by chunk."""
     codec = get_codec(spec)
-    raw = chunk_bytes(kv)
-    encoded = codec.encode(raw, layout, kv.shape[2])
-    decoded = codec.decode(encoded.data, encoded.params, layout, kv.shape[2])
-    return torch.from_numpy(decoded.copy()).view(kv.dtype).view(kv.shape)
+    parts = []
+    for start in range(0, kv.shape[2], chunk_tokens):
+        chunk = kv[:, :, start:start + chunk_tokens].contiguous()
+        encoded = codec.encode(chunk_bytes(chunk), layout, chunk.shape[2])
+        decoded = codec.decode(encoded.data, encoded.params, layout, chunk.shape[2])
+        parts.append(torch.from_numpy(decoded.copy()).view(kv.dtype).view(chunk.shape))
+    return torch.cat(parts, dim=2)
 
 
 def bench_model(name: str, args) -> dict:
@@ -128,7 +133,8 @@ def bench_model(name: str, args) -> dict:
         print(f"{name}: skipped ({exc})")
         return {"model": name, "skipped": str(exc)}
     corpus = Corpus(tokenizer, seed=args.seed)
-    need = args.chunk_tokens + args.tail_tokens
+    prefix_tokens = args.chunk_tokens * args.prefix_chunks
+    need = prefix_tokens + args.tail_tokens
     layout32 = kv_layout_of(model, torch.float32)
     layout16 = kv_layout_of(model, torch.bfloat16)
     chunks, quality = [], {spec: {"identical": 0, "top1": 0, "positions": 0, "kl_sum": 0.0} for spec in QUALITY_CODECS}
@@ -138,16 +144,16 @@ def bench_model(name: str, args) -> dict:
         ids = torch.tensor(tokenizer(corpus.draw(need + 16), add_special_tokens=False).input_ids[:need])
         if ids.shape[0] < need:
             raise SystemExit(f"{name}: a drawn text holds {ids.shape[0]} tokens, fewer than {need}")
-        prefix, tail = ids[:args.chunk_tokens], ids[args.chunk_tokens:]
+        prefix, tail = ids[:prefix_tokens], ids[prefix_tokens:]
         with torch.inference_mode():
             out = model(prefix[None], use_cache=True)
-            kv = dynamic_cache_to_kv(out.past_key_values, args.chunk_tokens)
+            kv = dynamic_cache_to_kv(out.past_key_values, prefix_tokens)
             if len(chunks) < args.ratio_chunks:
-                chunks.append(kv)
+                chunks.append(kv[:, :, :args.chunk_tokens].contiguous())
             if args.only == "speed":
                 continue
-            logprobs, answers = run_tails(model, [kv] + [lossy_round_trip(spec, kv, layout32) for spec in QUALITY_CODECS],
-                                          tail, args.new_tokens)
+            logprobs, answers = run_tails(model, [kv] + [lossy_round_trip(spec, kv, layout32, args.chunk_tokens)
+                                                         for spec in QUALITY_CODECS], tail, args.new_tokens)
             for row, spec in enumerate(QUALITY_CODECS, start=1):
                 q = quality[spec]
                 q["identical"] += bool(torch.equal(answers[row], answers[0]))
@@ -156,7 +162,8 @@ def bench_model(name: str, args) -> dict:
                 q["kl_sum"] += float((logprobs[0].exp() * (logprobs[0] - logprobs[row])).sum())
         print(f"  {name}: prompt {i + 1}/{args.prompts} ({time.perf_counter() - started:.0f} s): " + ", ".join(
             f"{spec} {q['identical']}" for spec, q in quality.items()), file=sys.stderr)
-    result = {"model": name, "layout": layout32.to_dict(), "chunk_tokens": args.chunk_tokens, "prompts": args.prompts}
+    result = {"model": name, "layout": layout32.to_dict(), "chunk_tokens": args.chunk_tokens, "prompts": args.prompts,
+              "prefix_chunks": args.prefix_chunks, "seed": args.seed}
     if args.only != "speed":
         result["quality"] = [{"codec": get_codec(spec).spec, "identical_answers": q["identical"] / args.prompts,
                               "top1_agreement": q["top1"] / q["positions"], "mean_kl_nats": q["kl_sum"] / q["positions"]}
@@ -186,7 +193,8 @@ def print_result(result: dict) -> None:
                   f"{r['decode_gbps'] / r['decode_then_copy_gbps']:.2f}")
     if "quality" not in result:
         return
-    print(f"\nquality ({result['prompts']} prompts) | identical answers | top-1 agreement | mean KL (nats)")
+    print(f"\nquality ({result['prompts']} prompts, seed {result['seed']}, {result['prefix_chunks']} lossy chunks of "
+          f"{result['chunk_tokens']} tokens each) | identical answers | top-1 agreement | mean KL (nats)")
     for r in result["quality"]:
         print(f"{r['codec']} | {100 * r['identical_answers']:.0f} % | {100 * r['top1_agreement']:.2f} % | "
               f"{r['mean_kl_nats']:.2e}")
@@ -212,11 +220,21 @@ def chart(results: list[dict], path: str) -> None:
         bars(quality, "Lossy KV: 32-token answers identical to raw KV's", "% of prompts", target, line=95)
 
 
+def from_saved(saved: list[dict]) -> list[dict]:
+    """Results as this script's ``--json`` writes them; a ``vllm_codec_quality.py --json`` file (one row per codec)
+    becomes one result of model ``vLLM smollm2``, whose rows the quality chart draws beside these."""
+    if saved and "tokens_from_l2" in saved[0]:
+        return [{"model": "vLLM smollm2", "quality": [{**row, "codec": row.get("spec", row["codec"])} for row in saved]}]
+    return saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,gemma3", help="comma-separated: smollm2, gemma3")
     parser.add_argument("--prompts", type=int, default=50)
     parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--prefix-chunks", type=int, default=1, help="quality: chunks of the prefix, each encoded "
+                        "alone (2: the 512 tokens vllm_codec_quality.py restores)")
     parser.add_argument("--tail-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--ratio-chunks", type=int, default=8, help="chunks timed for the speed table")
@@ -227,12 +245,18 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--chart", help="also draw the ratios (speed runs) or the identical answers (quality runs) "
                         "into this PNG (from this run, or --from-json)")
-    parser.add_argument("--from-json", help="draw --chart from a saved --json file and exit")
+    parser.add_argument("--from-json", help="draw --chart from saved --json files (comma-separated; "
+                        "vllm_codec_quality.py's too) and exit")
     args = parser.parse_args()
     if args.from_json:
-        with open(args.from_json) as f:
-            chart(json.load(f), args.chart or "codecs.png")
+        results = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                results += from_saved(json.load(f))
+        chart(results, args.chart or "codecs.png")
         return
+    if args.prefix_chunks < 1:
+        parser.error("--prefix-chunks must be at least 1")
     torch.set_num_threads(1)
     if args.quality_codecs:
         QUALITY_CODECS[:] = args.quality_codecs.split(";")

@@ -38,6 +38,7 @@ from corpus import Corpus
 from harness.metrics import metric_sum
 from harness.service_proc import wait_for
 from harness.vllm import OpenAIServer, ServerProcessForVLLM, model_dir
+from kvtier.codecs import get_codec
 
 CHUNK = 256
 TOKEN = "codec-quality-admin"
@@ -106,7 +107,7 @@ def run_codec(codec: str, prompts: list[list[int]], work: Path, new_tokens: int)
             if ct != rt:
                 break
         kls.append(first_token_kl(c["top"][0], r["top"][0]))
-    return {"codec": codec, "prompts": len(prompts), "identical_answers": identical / len(prompts),
+    return {"codec": codec, "spec": get_codec(codec).spec, "prompts": len(prompts), "identical_answers": identical / len(prompts),
             "top1_agreement": agree / positions, "mean_first_token_kl_top20": sum(kls) / len(kls),
             "tokens_from_l2": int(from_l2), "seconds": time.perf_counter() - started}
 
@@ -135,7 +136,7 @@ def main() -> int:
     print(f"\nvLLM, {args.prompts} prompts of {args.prefix_tokens} + {args.tail_tokens} tokens, {args.new_tokens}-token "
           "greedy answers | identical answers | top-1 agreement | mean first-token KL (top 20, nats)")
     for r in rows:
-        print(f"{r['codec']} | {100 * r['identical_answers']:.0f} % | {100 * r['top1_agreement']:.2f} % | "
+        print(f"{r['spec']} | {100 * r['identical_answers']:.0f} % | {100 * r['top1_agreement']:.2f} % | "
               f"{r['mean_first_token_kl_top20']:.2e}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

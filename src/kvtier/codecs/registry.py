@@ -19,7 +19,8 @@ TRANSFORMS = {cls.name: cls for cls in (Fp8E4M3, Int8, Bf16)}
 COMPRESSORS = {cls.name: cls for cls in (Zstd, Lz4, BloscZstd, BloscLz4)}
 # option -> allowed values (None: any integer in the range)
 _CHOICES = {"shuffle": SHUFFLES, "scale": SCALE_MODES}
-_RANGES = {"level": (-7, 22), "acceleration": (1, 65537), "group": (0, 1 << 20), "sink": (0, 1 << 20)}
+_RANGES = {"level": (-7, 22), "acceleration": (1, 65537), "group": (0, 1 << 20), "sink": (0, 1 << 20), "center": (0, 1),
+           "span": (0, 1 << 20)}
 
 
 def codec_names() -> list[str]:

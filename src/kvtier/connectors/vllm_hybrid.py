@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtier.connectors.vllm_layout import as_torch, block_views, gather_chunk, scatter_chunk
+from kvtier.connectors.vllm_layout import block_views, engine_block_order, gather_chunk, scatter_chunk
 from kvtier.connectors.vllm_scheduler import scheduled_again
 from kvtier.errors import InputError
 from kvtier.hints import RetentionHint
+from kvtier.tensors import as_torch
 
 logger = logging.getLogger("vllm.kvtier_connector")
 
@@ -244,8 +245,9 @@ class HybridWorker:
     def register(self, kv_caches) -> None:
         self.groups.check_kv_caches(kv_caches)
         for part in self.groups.parts:
+            order = engine_block_order(self._torch_dtype, part.block_size, part.layout.head_dim)
             for g, names in part.groups:
-                self._group_blocks[g] = block_views([kv_caches[name] for name in names])
+                self._group_blocks[g] = block_views([kv_caches[name] for name in names], order)
 
     def load_all(self, loads: list[HybridLoad]) -> None:
         deadline = time.monotonic() + self.load_timeout_seconds

@@ -79,14 +79,22 @@ class VLLMIdentity:
         return namespace, extra
 
 
+# Chunks the connector stores hold keys in token order (``vllm_layout.BlockOrder``). Before, it stored vLLM CPU's
+# block bytes as they were (keys transposed or packed): naming this in the model identity keeps such records of
+# an earlier kvtier from being read as token order (they are misses). An explicit ``kvtier.model`` does not
+# change with it: change that id when upgrading from a kvtier before block orders.
+_CHUNK_ORDER = "tokens"
+
+
 def _engine_model_settings(model_config) -> str:
     """What vLLM changes about the model's computation beyond its files (the same text in every process of the
-    engine): compute dtype, on-the-fly quantization, config overrides (a callable override by its name)."""
+    engine): compute dtype, on-the-fly quantization, config overrides (a callable override by its name); and the
+    element order of the chunks the connector stores."""
     overrides = model_config.hf_overrides
     if callable(overrides):
         overrides = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
     return json.dumps({"dtype": str(model_config.dtype), "quantization": model_config.quantization,
-                       "hf_overrides": overrides}, sort_keys=True, default=str)
+                       "hf_overrides": overrides, "chunk_order": _CHUNK_ORDER}, sort_keys=True, default=str)
 
 
 def _none_hash_seed(algorithm: str) -> str | None:

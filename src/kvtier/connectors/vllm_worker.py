@@ -19,9 +19,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtier.connectors.vllm_layout import (
-    as_torch,
     block_views,
     check_paged_shape,
+    engine_block_order,
     gather_chunk,
     gather_layer,
     layer_order,
@@ -30,6 +30,7 @@ from kvtier.connectors.vllm_layout import (
 )
 from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, LoadOp, SaveOp
 from kvtier.errors import KVTierError
+from kvtier.tensors import as_torch
 
 logger = logging.getLogger("vllm.kvtier_connector")
 
@@ -50,7 +51,8 @@ class WorkerSide:
         self._torch_dtype = getattr(torch, layout.dtype)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
-        self._blocks: list[torch.Tensor] = []
+        self._blocks: list = []
+        self._order = None  # vLLM's element order inside a block (set when the caches are registered)
         self._layer_loads: list[tuple[torch.Tensor, LoadOp, int]] = []  # (tokens [start, ok_end), op, ok_end)
         self._layer_saves: list[tuple[torch.Tensor, SaveOp]] = []
         self._load_errors: set[int] = set()
@@ -68,7 +70,8 @@ class WorkerSide:
             check_paged_shape(kv_caches[name], self.layout, self.block_size, name)
         self._kv_caches = {name: kv_caches[name] for name in names}
         self._layer_index = {name: i for i, name in enumerate(names)}
-        self._blocks = block_views(self._kv_caches.values())
+        self._order = engine_block_order(self._torch_dtype, self.block_size, self.layout.head_dim)
+        self._blocks = block_views(self._kv_caches.values(), self._order)
 
     # ---- load ----------------------------------------------------------------------------------
     def start_load_kv(self, meta) -> None:
@@ -128,7 +131,7 @@ class WorkerSide:
         if i is None:
             return
         for staged, op, ok_end in self._layer_loads:
-            scatter_layer(self._kv_caches[layer_name], op.block_ids, self.block_size, staged[i])
+            scatter_layer(self._kv_caches[layer_name], op.block_ids, self.block_size, staged[i], self._order)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -145,7 +148,7 @@ class WorkerSide:
             self._layer_saves = [(torch.empty(self.layout.chunk_shape(len(op.token_ids)), dtype=kv_layer.dtype), op)
                                  for op in meta.saves if not op.renew]
         for buf, op in self._layer_saves:
-            gather_layer(kv_layer, op.block_ids, self.block_size, len(op.token_ids), out=buf[i])
+            gather_layer(kv_layer, op.block_ids, self.block_size, len(op.token_ids), out=buf[i], order=self._order)
 
     def wait_for_save(self, meta) -> None:
         """Store this step's ``meta.saves`` (vLLM's connector metadata for the step, or None)."""

@@ -19,6 +19,8 @@ LOSSLESS = ["none", "zstd", "zstd:shuffle=none", "zstd:level=3", "zstd:level=-3"
 LOSSY = {
     "fp8_e4m3": (0.07, 0.05), "fp8_e4m3:scale=channel": (0.07, 0.05), "fp8_e4m3:scale=kivi,group=16": (0.07, 0.05),
     "int8": (0.01, 0.02), "int8:scale=channel,group=4": (0.01, 0.02), "int8:scale=kivi": (0.01, 0.02),
+    "int8:center=1,group=16,span=16": (0.01, 0.02), "int8:scale=channel,center=1,sink=0": (0.01, 0.02),
+    "fp8_e4m3:scale=kivi,center=1,group=64,sink=1,span=8": (0.07, 0.05),
     "fp8_e4m3+zstd": (0.07, 0.05), "int8+lz4": (0.01, 0.02), "fp8_e4m3+blosc_zstd": (0.07, 0.05),
     "bf16": (0.004, 0.004), "bf16+zstd": (0.004, 0.004),
 }
@@ -249,5 +251,5 @@ def test_records_written_before_sink_tokens_still_decode():
 def test_names_and_specs():
     codec = get_codec(" fp8_e4m3:scale=kivi + zstd:level=3 ")
     assert codec.name == "fp8_e4m3+zstd"
-    assert codec.spec == "fp8_e4m3:group=0,scale=kivi,sink=0+zstd:level=3,shuffle=byte"
+    assert codec.spec == "fp8_e4m3:center=0,group=0,scale=kivi,sink=0,span=0+zstd:level=3,shuffle=byte"
     assert get_codec("none").name == "none" and get_codec("none").lossless

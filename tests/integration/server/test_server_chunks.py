@@ -8,15 +8,15 @@ import pytest
 import torch
 from support.server import CHUNK, LAYOUT, ServerProc
 
+from kvtier.client import Client
 from kvtier.connectors.vllm_layout import (
-    as_torch,
     block_views,
     gather_chunk,
     gather_layer,
     scatter_chunk,
 )
 from kvtier.errors import InputError
-from kvtier.client import Client
+from kvtier.tensors import as_torch
 
 
 @pytest.fixture(scope="module")
