@@ -21,7 +21,7 @@ def test_server_publishes_events_a_router_can_index(tmp_path):
              "--l2-adapter", f'{{"type": "local_disk", "path": "{tmp_path / "disk"}"}}')
     with ServerProc(tmp_path, extra=extra) as server, \
             Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv-events",
-                       secret_file=secret_file_for(server.url)[0]) as sub:
+                       secret_file=secret_file_for(server.url)[0], start_seq=0) as sub:
         client = Client(server.url, model="m", layout=LAYOUT)
         tokens = list(range(1, 2 * CHUNK + 1))
         # the subscriber may join after the first batches: replay from seq 0 covers that
@@ -81,7 +81,7 @@ def test_clearing_l2_behind_queued_writes_leaves_no_storage_block_in_a_routers_v
              "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}", "--l2-adapter", json.dumps(slow))
     with ServerProc(tmp_path, token="tok", extra=extra, config={"l2_write_queue_size": 256}) as server, \
             Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv-events",
-                       secret_file=secret_file_for(server.url)[0]) as sub, \
+                       secret_file=secret_file_for(server.url)[0], start_seq=0) as sub, \
             Client(server.url, model="m", layout=LAYOUT) as client:
         prompts = [list(range(10_000 * i, 10_000 * i + 2 * CHUNK)) for i in range(1, 41)]
         for tokens in prompts:  # 80 L2 writes of 20 ms each are still queued when the clear comes

@@ -41,7 +41,7 @@ def events_server(tmp_path, **kwargs):
 
 def test_lookup_pin_ttl_and_a_session_delete_that_leaves_nothing_in_any_tier(tmp_path):
     server, pub, replay = events_server(tmp_path)
-    with server, Subscriber(pub, replay, topic="kv-events", secret_file=secret_file_for(server.url)[0]) as sub, \
+    with server, Subscriber(pub, replay, topic="kv-events", secret_file=secret_file_for(server.url)[0], start_seq=0) as sub, \
             Client(server.url, model="m", layout=LAYOUT) as client:
         session, plain = tokens_of(1, 3), tokens_of(2, 3)
         assert store(client, session, RetentionHint(session_id="agent-7")) == 3
