@@ -213,11 +213,23 @@ def chart(results: list[dict], path: str) -> None:
                     data[label] = round(row["ratio_vs_bf16"], 2)
     if data:
         bars(data, "KV codecs: compression ratio against the bf16 KV", "bf16 bytes / encoded bytes", path, line=1.3)
-    quality = {f"{r['model']}: {row['codec']}": round(100 * row["identical_answers"])
+    quality = {f"{r['model']}: {_short(row['codec'])}": round(100 * row["identical_answers"])
                for r in results for row in r.get("quality") or []}
     if quality:  # a quality run: its own chart beside the ratio one
         target = str(path).removesuffix(".png") + "_quality.png" if data else path
         bars(quality, "Lossy KV: 32-token answers identical to raw KV's", "% of prompts", target, line=95)
+
+
+def _short(spec: str) -> str:
+    """``spec`` without the options that are its codec's defaults (``int8:center=1,group=16,...`` -> ``int8``)."""
+    from kvtier.codecs import get_codec
+
+    name, _, options = spec.partition(":")
+    if not options or "+" in spec:
+        return spec
+    defaults = dict(o.split("=") for o in get_codec(name).spec.partition(":")[2].split(",") if o)
+    kept = [o for o in options.split(",") if defaults.get(o.split("=")[0]) != o.split("=")[1]]
+    return f"{name}:{','.join(kept)}" if kept else name
 
 
 def from_saved(saved: list[dict]) -> list[dict]:

@@ -2,12 +2,16 @@
 
 Layout (all integers big-endian)::
 
-    magic b"KVTR" | u16 format version | u32 header length | header (msgpack) | payload (raw KV bytes) | tag
+    magic b"KVTR" | u16 format version | u32 header length | header (msgpack) | u64 header checksum
+    | payload (raw KV bytes) | tag
 
 The header holds the key, the KV layout, the chunk's token ids, the payload length, the payload's
 xxh3-64 checksum, the payload encoding and the record authentication (``auth``). A reader checks all of
 them: any mismatch raises CorruptRecordError, which the cache turns into a miss, a delete and a metric.
-The checksum catches accidents; it is no defence against someone who can write the store.
+The header checksum (format version 4: xxh3-64 of everything before it) covers what describes the payload
+(layout, codec parameters, token ids), so a damaged header is a corrupt record, never KV decoded with
+the wrong parameters; records of versions 1-3 have none and are read as before. The checksums catch
+accidents; they are no defence against someone who can write the store.
 
 Encoding (format version 3, ``kvtier.codecs``): ``encoding`` is ``"raw"`` or a codec name (``"lz4"``,
 ``"fp8_e4m3+zstd"``) and ``codec_params`` what its decoder needs; ``payload_bytes`` and ``checksum`` then
@@ -40,18 +44,19 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
-from kvtier.errors import CorruptRecordError, ForeignRecordError, RecordAuthError
+from kvtier.errors import CorruptRecordError, ForeignRecordError, InputError, RecordAuthError
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 
 MAGIC = b"KVTR"
-FORMAT_VERSION = 3  # 2: ``auth`` and the tag; 3: key ids and codecs; versions 1-2 are still read
-READ_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # 2: ``auth`` and the tag; 3: key ids and codecs; 4: the header checksum; 1-3 still read
+READ_VERSIONS = (1, 2, 3, 4)
 RAW_ENCODINGS = ("raw", "none")
 AUTH_ALGORITHMS = ("blake3", "hmac-sha256")
 TAG_BYTES = 32
 _PREFIX = struct.Struct(">4sHI")
 PREFIX_BYTES = _PREFIX.size
+_HEADER_CHECKSUM = struct.Struct(">Q")  # format version 4 on
 
 
 class RecordHeader(msgspec.Struct, array_like=True, frozen=True):
@@ -158,6 +163,7 @@ def encode_record(key: ChunkKey, layout: KVLayout, token_ids: list[int], payload
                           codec_params=params)
     body = _encoder.encode(header)
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    head += _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
     return [head, view, _tag(auth, auth_key, head, view)] if auth_key else [head, view]
 
 
@@ -180,7 +186,9 @@ def record_size(parts: list) -> int:
 
 
 def decode_header(buf) -> tuple[RecordHeader, int]:
-    """Parse the header at the start of ``buf``; return (header, payload offset). Raises CorruptRecordError."""
+    """Parse the header at the start of ``buf`` and check its checksum (format version 4 on); return (header,
+    payload offset). Raises CorruptRecordError: truncated, bad magic or version, checksum mismatch, a header that
+    does not parse or whose layout is not a KV layout."""
     view = memoryview(buf).cast("B")
     if view.nbytes < PREFIX_BYTES:
         raise CorruptRecordError(f"record truncated: {view.nbytes} bytes")
@@ -189,13 +197,22 @@ def decode_header(buf) -> tuple[RecordHeader, int]:
         raise CorruptRecordError("not a kvtier record (bad magic)")
     if version not in READ_VERSIONS:
         raise CorruptRecordError(f"record format version {version}; this kvtier reads {READ_VERSIONS}")
-    if view.nbytes < PREFIX_BYTES + hlen:
+    offset = PREFIX_BYTES + hlen + (_HEADER_CHECKSUM.size if version >= 4 else 0)
+    if view.nbytes < offset:
         raise CorruptRecordError("record truncated inside its header")
+    if version >= 4:
+        (expected,) = _HEADER_CHECKSUM.unpack_from(view, PREFIX_BYTES + hlen)
+        if xxhash.xxh3_64_intdigest(view[:PREFIX_BYTES + hlen]) != expected:
+            raise CorruptRecordError("record header checksum mismatch")
     try:
         header = _decoder.decode(view[PREFIX_BYTES:PREFIX_BYTES + hlen])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        layout = KVLayout.from_dict(header.layout)
+    except (msgspec.DecodeError, msgspec.ValidationError, InputError) as exc:
         raise CorruptRecordError(f"record header unreadable: {exc}") from exc
-    return header, PREFIX_BYTES + hlen
+    if not header.encoded and header.payload_bytes != layout.chunk_bytes(len(header.token_ids)):
+        raise CorruptRecordError(f"record of {len(header.token_ids)} tokens holds {header.payload_bytes} bytes; its "
+                                 f"layout needs {layout.chunk_bytes(len(header.token_ids))}")
+    return header, offset
 
 
 def decode_record(buf, key: ChunkKey | None = None, token_ids: list[int] | None = None,

@@ -30,8 +30,10 @@ def test_bad_names_are_clear_startup_errors():
         CodecPolicy(["zst"], labels=["disk"])
     with pytest.raises(ConfigError, match="'lz4' is lossless"):
         CodecPolicy(["none"], {"*": ["lz4"]})
-    with pytest.raises(UnknownCodecError):
+    with pytest.raises(UnknownCodecError, match=r"lossy_codecs_allowed\['\*'\]: unknown codec 'fp9'"):
         CodecPolicy(["none"], {"*": ["fp9"]})
+    with pytest.raises(ConfigError, match="without options .*'int8'"):  # options would silently allow every int8
+        CodecPolicy(["none"], {"smol*": ["int8:group=4"]})
 
 
 def test_one_encode_per_distinct_codec():

@@ -39,15 +39,59 @@ def test_damaged_records_raise(damage):
         decode_record(bytes(buf), key)
 
 
+def _rewritten(buf: bytes, **changes) -> bytes:
+    """``buf`` (a version 4 record of ``_record``) with its header fields changed and its header checksum right."""
+    import struct
+
+    import msgspec
+    import xxhash
+
+    from kvtier.record import RecordHeader
+
+    hlen = struct.unpack_from(">I", buf, 6)[0]
+    header = msgspec.structs.replace(msgspec.msgpack.decode(buf[10:10 + hlen], type=RecordHeader), **changes)
+    body = msgspec.msgpack.encode(header)
+    head = struct.pack(">4sHI", b"KVTR", 4, len(body)) + body
+    return head + struct.pack(">Q", xxhash.xxh3_64_intdigest(head)) + buf[10 + hlen + 8:]
+
+
 def test_an_unknown_encoding_is_an_unknown_codec_not_a_corrupt_record():
     from kvtier.errors import UnknownCodecError
 
     key, _, buf = _record()
-    buf = bytearray(buf)
-    at = bytes(buf).index(b"raw")
-    buf[at + 2] = ord("v")  # "rav": no codec of that name (a newer kvtier's, say): kept by the cache, a miss
+    future = _rewritten(buf, encoding="rav")  # no codec of that name (a newer kvtier's, say): kept, a miss
     with pytest.raises(UnknownCodecError, match="'rav'"):
-        decode_record(bytes(buf), key)
+        decode_record(future, key)
+
+
+def test_every_damaged_header_byte_is_a_corrupt_record():
+    """The header describes how to read the payload (layout, codec parameters): one flipped bit anywhere in it
+    must be a corrupt record, never a record read with other parameters."""
+    from kvtier.codecs import get_codec
+    from kvtier.record import PREFIX_BYTES, decode_payload
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16)
+    tokens = list(range(32))
+    kv = np.random.default_rng(0).standard_normal(layout.chunk_shape(32)).astype(np.float32)
+    key = ChunkKey("m", layout.layout_id, "", b"\x01" * 16)
+    parts = encode_record(key, layout, tokens, kv, codec=get_codec("int8"))
+    head, record = bytes(parts[0]), b"".join(bytes(p) for p in parts)
+    assert len(head) > PREFIX_BYTES + 8
+    for at in range(len(head)):
+        for bit in (0x01, 0x80):
+            damaged = bytearray(record)
+            damaged[at] ^= bit
+            with pytest.raises(CorruptRecordError):
+                header, payload = decode_record(bytes(damaged), key, tokens)
+                decode_payload(header, payload)
+
+
+def test_a_header_whose_layout_is_not_a_layout_is_corrupt():
+    key, _, buf = _record()
+    for layout in ({**LAYOUT.to_dict(), "dtype": "bfloat17"}, {**LAYOUT.to_dict(), "tp_size": 0}, {"x": 1},
+                   {**LAYOUT.to_dict(), "num_layers": 3}):  # the last: a raw payload of the wrong size
+        with pytest.raises(CorruptRecordError):
+            decode_record(_rewritten(buf, layout=layout), key)
 
 
 def test_wrong_key_or_tokens_is_corrupt():
@@ -131,7 +175,7 @@ def test_records_signed_before_key_ids_are_tried_with_every_accepted_key():
 
     import msgspec
 
-    header = msgspec.msgpack.decode(bytes(parts[0])[10:])[:-2]  # a version 2 header: no key id, no codec params
+    header = msgspec.msgpack.decode(bytes(parts[0])[10:-8])[:-2]  # a version 2 header: no key id, no codec params
     body = msgspec.msgpack.encode(header)
     head = struct.pack(">4sHI", b"KVTR", 2, len(body)) + body
     from kvtier.record import _tag

@@ -155,3 +155,11 @@ def test_cli_refuses_an_unknown_policy_listing_the_choices(tmp_path):
     assert "'MRU'" in str(res.exception) and "LRU, ARC, S3FIFO" in str(res.exception)
     res = CliRunner().invoke(simulate_cmd, ["--trace", str(trace), "--l1-size-gb", "0"])
     assert isinstance(res.exception, InputError) and "--l1-size-gb" in str(res.exception)
+
+
+def test_cli_refuses_a_chart_it_could_not_write_before_replaying(tmp_path):
+    trace = write_trace(tmp_path / "t.trace", cycle(prompts(1, 1), passes=1))
+    for chart, says in ((tmp_path / "c.txt", "ending in .png"), (tmp_path / "none" / "c.png", "does not exist")):
+        res = CliRunner().invoke(simulate_cmd, ["--trace", str(trace), "--chart", str(chart)])
+        assert res.exit_code == 2 and "--chart" in res.output and says in res.output, res.output
+        assert "requests" not in res.output  # refused before the replay, no table printed

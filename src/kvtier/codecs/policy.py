@@ -47,7 +47,14 @@ class CodecPolicy:
         for pattern, names in (lossy_allowed or {}).items():
             checked = set()
             for name in names:
-                codec = get_codec(name)
+                if isinstance(name, str) and ":" in name:
+                    raise ConfigError(f"lossy_codecs_allowed[{pattern!r}]: {name!r}: list codec names without "
+                                      f"options (e.g. {name.partition(':')[0]!r}): records name their options, and "
+                                      "an allowed codec is served with any")
+                try:
+                    codec = get_codec(name)
+                except ConfigError as exc:
+                    raise type(exc)(f"lossy_codecs_allowed[{pattern!r}]: {exc}") from exc
                 if codec.lossless:
                     raise ConfigError(f"lossy_codecs_allowed[{pattern!r}]: {name!r} is lossless and always allowed; "
                                       "list lossy codecs only (e.g. fp8_e4m3, int8, fp8_e4m3+zstd)")

@@ -42,6 +42,8 @@ def _value(text: str):
 
 def _stage(text: str, spec: str):
     name, _, opts = text.partition(":")
+    if name == "none":
+        raise ConfigError(f"codec {spec!r}: 'none' stands alone (no options, no other stage)")
     cls = TRANSFORMS.get(name) or COMPRESSORS.get(name)
     if cls is None:
         raise UnknownCodecError(f"unknown codec {name!r} in {spec!r}; use {_choices_text()}")
@@ -51,6 +53,8 @@ def _stage(text: str, spec: str):
         if not eq or key not in cls.OPTIONS:
             raise ConfigError(f"codec {name!r} in {spec!r}: bad option {item!r}; its options are "
                               f"{sorted(cls.OPTIONS) or 'none'} (as {name}:option=value,...)")
+        if key in options:
+            raise ConfigError(f"codec {name!r} in {spec!r}: option {key!r} given twice")
         value = _value(raw)
         if key in _CHOICES and value not in _CHOICES[key]:
             raise ConfigError(f"codec {name!r} in {spec!r}: {key}={raw!r}; use one of {_CHOICES[key]}")

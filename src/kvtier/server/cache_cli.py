@@ -8,6 +8,7 @@ A refusal prints the server's message as one ``error: ...`` line, exit 2 (``kvti
 from __future__ import annotations
 
 import json
+import math
 import sys
 import urllib.error
 import urllib.parse
@@ -25,9 +26,12 @@ def _token(admin_token: str | None, token_file: str | None) -> str | None:
     if token_file is None:
         return admin_token
     try:
-        return Path(token_file).read_text().strip() or None
+        token = Path(token_file).read_text().strip()
     except OSError as exc:
         raise KVTierError(f"cannot read --token-file {token_file}: {exc.strerror}") from exc
+    if not token:
+        raise KVTierError(f"--token-file {token_file} is empty; write the server's admin token into it")
+    return token
 
 
 def _call(opts: dict, method: str, path: str, body: dict | None = None) -> dict:
@@ -37,7 +41,11 @@ def _call(opts: dict, method: str, path: str, body: dict | None = None) -> dict:
     if opts["token"]:
         headers["Authorization"] = f"Bearer {opts['token']}"
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    except ValueError as exc:  # not a URL at all (no scheme)
+        raise KVTierError(f"--admin-url {opts['admin_url']!r} is not an http URL (e.g. http://127.0.0.1:8080): "
+                          f"{exc}") from exc
     try:
         with urllib.request.urlopen(request, timeout=opts["timeout_seconds"]) as response:
             return json.load(response)
@@ -133,6 +141,10 @@ def _parse_tokens(value: str, flag: str) -> list[int]:
                                  param_hint=flag) from None
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise click.BadParameter("a JSON list of integers", param_hint=flag)
+    if not tokens:
+        raise click.BadParameter("no token ids given", param_hint=flag)
+    if not all(0 <= t < 2**63 for t in tokens):
+        raise click.BadParameter("token ids must be integers in [0, 2**63)", param_hint=flag)
     return tokens
 
 
@@ -193,6 +205,9 @@ def _mutation(path: str, kw: dict, extra: dict | None = None) -> None:
     opts = _opts(kw)
     body = {**_body(kw), **(extra or {})}
     answer = _call(opts, "POST", path, body)
+    if "session_id" in body and answer.get("num_chunks") == 0:  # not an error (deletes are idempotent), but a typo?
+        click.echo(f"note: the server holds no chunks of session {body['session_id']!r} for model {body['model']!r}; "
+                   f"`kvtier cache sessions` lists the sessions", err=True)
     if opts["as_json"]:
         return _print_json(answer)
     click.echo(", ".join(f"{k}: {v}" for k, v in answer.items()))
@@ -225,6 +240,9 @@ def unpin(**kw) -> None:
 @click.option("--priority", type=click.IntRange(0, 3), default=None, help="Their priority meanwhile (0-3).")
 def ttl(ttl_seconds, priority, **kw) -> None:
     """Protect a prompt's or a session's chunks for --ttl-seconds (replaces their hint, a pin too)."""
+    if not math.isfinite(ttl_seconds) or ttl_seconds <= 0:
+        raise click.BadParameter(f"must be a finite number of seconds > 0, got {ttl_seconds}",
+                                 param_hint="--ttl-seconds")
     _mutation("/cache/ttl", kw, {"ttl_seconds": ttl_seconds, **({"priority": priority} if priority is not None else {})})
 
 

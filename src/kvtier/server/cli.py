@@ -39,8 +39,8 @@ def _adapter_spec(value: str) -> dict:
 @click.option("--admin-host", default=None, help="Admin HTTP address [default: 127.0.0.1].")
 @click.option("--admin-port", type=int, default=None, help="Admin HTTP port [default: 8080; 0: any].")
 @click.option("--l1-size-gb", default=None, help="L1 (shared host memory) size, e.g. 8 or '512MiB'. Required.")
-@click.option("--eviction-policy", type=click.Choice(EVICTION_POLICIES, case_sensitive=False), default=None,
-              help="L1 eviction policy. Required.")
+@click.option("--eviction-policy", default=None,
+              help=f"L1 eviction policy: {', '.join(EVICTION_POLICIES)} (any case; S3-FIFO accepted). Required.")
 @click.option("--chunk-size", type=int, default=None, help="Tokens per chunk [default: 256].")
 @click.option("--block-size", type=int, default=None,
               help="The engines' block size: hashes chain per block of this many tokens, and events name these "
@@ -108,7 +108,7 @@ def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chun
     config = load_config(config_path, overrides)
     for key, flag in (("l1_size_gb", "--l1-size-gb"), ("eviction_policy", "--eviction-policy")):
         if key not in config.model_fields_set:
-            raise ConfigError(f"{flag} is required (or set {key} in the --config file)")
+            raise ConfigError(f"{flag} is required (or set {key} in the --config file, or KVTIER_{key.upper()})")
     if config.l1_size_gb <= 0:
         raise ConfigError(f"--l1-size-gb must be > 0 (got {config.l1_size_gb:g}): L1 is where every chunk lands first")
     run(config, log_level)

@@ -55,9 +55,10 @@ _DECODER = msgspec.json.Decoder(CacheRequest)
 
 
 def bearer_of(request: Request) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header (None without one)."""
-    value = request.headers.get("authorization", "")
-    return value[7:] if value.startswith("Bearer ") else None
+    """The token of an ``Authorization: Bearer <token>`` header (None without one; the scheme in any case, as
+    RFC 9110 has it)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
 
 
 def refused(config, token: str | None) -> JSONResponse | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -59,6 +60,8 @@ def _policies(value: str) -> list[str]:
 def simulate_cmd(trace_path, l1_size_gb, policy, l2_size_gb, chart, as_json) -> None:
     """Replay a trace through kvtier's own L1 and L2 eviction code at every combination of the sizes and policies
     given, and print the hit rate and bytes per tier of each (sizes larger than this machine are fine)."""
+    if chart:
+        _check_chart(chart)  # before a replay that may take minutes
     header, _ = read_trace(trace_path)  # a bad header is reported before anything else is parsed
     l1_sizes = _sizes(l1_size_gb, "--l1-size-gb") if l1_size_gb else [header.l1_size_bytes / GB]
     policies = _policies(policy) if policy else [header.eviction_policy]
@@ -75,6 +78,20 @@ def simulate_cmd(trace_path, l1_size_gb, policy, l2_size_gb, chart, as_json) -> 
         write_chart(sim, chart)
         if not as_json:
             click.echo(f"chart: {chart}")
+
+
+CHART_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _check_chart(path: str) -> None:
+    """Raise click.BadParameter when matplotlib could not write ``path``: another format, no such folder."""
+    target = Path(path)
+    if target.suffix.lower() not in CHART_SUFFIXES:
+        raise click.BadParameter(f"{path!r}: the chart is written as PNG (or SVG, PDF); name a file ending in "
+                                 f"{', '.join(CHART_SUFFIXES)}", param_hint="--chart")
+    if not target.absolute().parent.is_dir():
+        raise click.BadParameter(f"{path!r}: the folder {str(target.absolute().parent)!r} does not exist",
+                                 param_hint="--chart")
 
 
 def _gb(nbytes: int | None) -> str:

@@ -100,7 +100,9 @@ def test_centered_codecs_refuse_non_finite_kv_in_sinks_and_groups(token):
 
 
 @pytest.mark.parametrize("spec, match", [("int8:center=2", "center"), ("int8:span=-1", "span"),
-                                         ("fp8_e4m3:center=yes", "center")])
+                                         ("fp8_e4m3:center=yes", "center"),
+                                         ("int8:scale=kivi,scale=token", "'scale' given twice"),
+                                         ("none+zstd", "'none' stands alone"), ("none:level=1", "'none' stands alone")])
 def test_bad_new_options_are_config_errors(spec, match):
     with pytest.raises(ConfigError, match=match):
         get_codec(spec)

@@ -92,6 +92,23 @@ def test_a_corrupted_compressed_record_is_a_miss_deleted_and_counted(tmp_path):
         assert reader.lookup(tokens) == 0  # deleted
 
 
+@pytest.mark.parametrize("field, damaged", [(b"\xa5group\x10", b"\xa5group\x11"), (b"float32", b"float33")])
+def test_a_damaged_record_header_is_a_miss_deleted_and_counted(tmp_path, field, damaged):
+    """The header says how to decode the payload: a codec option (int8's key group 16 -> 17) or the layout (its
+    dtype) damaged on disk must be a corrupt record, never KV decoded with other parameters nor an error."""
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk"), "codec": "int8"}
+    allowed = {"lossy_codecs_allowed": {"m": ["int8"]}}
+    tokens = list(range(CHUNK))
+    with KVCache(config([disk], **allowed), "m", LAYOUT) as writer:
+        assert writer.store(tokens, bf16_like(CHUNK, 4)) == 1 and writer.flush(30.0)
+    (path,) = [p for p in (tmp_path / "disk").rglob("*") if p.is_file() and field in p.read_bytes()]
+    path.write_bytes(path.read_bytes().replace(field, damaged, 1))
+    with KVCache(config([disk], **allowed), "m", LAYOUT) as reader:
+        assert reader.retrieve(tokens)[1] == 0
+        assert reader.metrics.value("kvtier_corrupt_records_total", adapter="local_disk") == 1
+        assert not path.exists() and reader.lookup(tokens) == 0
+
+
 class _GarbageLz4:
     """Fault injection around the real lz4 codec: its parameters and checksum, over bytes that are not an lz4
     block, so the record verifies and only the decoder can tell."""

@@ -111,6 +111,7 @@ def test_token_csrf_and_malformed_bodies_are_refused(tmp_path):
         assert call(server, "lookup", body, headers={}).status_code == 401  # a read needs the token too
         assert call(server, "pin", body, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(f"{server.admin}/cache/sessions").status_code == 401
+        assert call(server, "lookup", body, headers={"Authorization": f"bearer {TOKEN}"}).status_code == 200
         for kwargs in ({"data": {"model": "m"}}, {"content": b'{"model": "m"}', "headers": {"Content-Type": "text/plain"}},
                        {"content": b'{"model": "m"}'}):
             headers = {**AUTH, **kwargs.pop("headers", {})}

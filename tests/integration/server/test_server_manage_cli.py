@@ -58,6 +58,13 @@ def test_cache_commands_end_to_end(tmp_path):
         assert gone == {"num_chunks": num_chunks, "deleted": {"CPU": num_chunks, "local_disk": num_chunks},
                         "remaining": 0}
         assert client.lookup(tokens) == 0
+        again = runner.invoke(cli, ["cache", "delete", *conn, "--model", "m", "--session", "chat-1"])
+        assert again.exit_code == 0 and "no chunks of session 'chat-1'" in again.stderr
+        for bad in ("nan", "inf", "0"):
+            result = runner.invoke(cli, ["cache", "ttl", *conn, "--model", "m", "--session", "s", "--ttl-seconds", bad])
+            assert result.exit_code == 2 and "--ttl-seconds" in result.output, result.output
+        empty = runner.invoke(cli, ["cache", "lookup", *conn, "--model", "m", "--tokens", ""])
+        assert empty.exit_code == 2 and "no token ids" in empty.output
 
         refused = runner.invoke(cli, ["cache", "lookup", "--admin-url", server.admin, "--model", "m", "--tokens", "1,2"])
         assert refused.exit_code != 0 and "401" in str(refused.exception)
@@ -66,3 +73,6 @@ def test_cache_commands_end_to_end(tmp_path):
         proc = subprocess.run(kvtier_cmd("cache", "lookup", "--admin-url", server.admin, "--admin-token", "wrong",
                                          "--model", "m", "--tokens", "1,2"), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "error:" in proc.stderr and "missing or wrong admin token" in proc.stderr
+        proc = subprocess.run(kvtier_cmd("cache", "sessions", "--admin-url", "not-a-url"), capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and "is not an http URL" in proc.stderr and "Traceback" not in proc.stderr
