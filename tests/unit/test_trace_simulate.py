@@ -4,6 +4,7 @@ hints replayed, and bad traces and flags refused naming the line or the choices 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -118,6 +119,11 @@ def test_a_damaged_record_names_the_line(tmp_path):
     header_, records = read_trace(path)
     with pytest.raises(TraceError, match="line 4: bad record.*tokens"):
         list(records)
+    lines = path.read_bytes().split(b"\n")
+    lines[3] = re.sub(rb'"t":[0-9.e-]+', b'"t":-5', lines[3])  # before the trace started: damaged
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(TraceError, match="line 4: bad record.*>= 0.*t"):
+        list(read_trace(path)[1])
 
 
 def test_another_version_or_format_is_refused_at_line_1(tmp_path):

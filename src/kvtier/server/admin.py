@@ -142,6 +142,9 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
         if content_type in FORM_TYPES:
             return JSONResponse({"error": f"/clear does not accept {content_type} (a browser form can send that "
                                           "cross-site); send a JSON body or the X-KVTier-Admin header"}, status_code=415)
+        refusal = refused(server.config, bearer_of(request))  # who asks, before what is asked
+        if refusal is not None:
+            return refusal
         body = {}
         if content_type == "application/json":
             try:
@@ -154,10 +157,14 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
         elif "x-kvtier-admin" not in request.headers:
             return JSONResponse({"error": "send a JSON body (Content-Type: application/json) or the X-KVTier-Admin "
                                           "header"}, status_code=400)
-        refusal = refused(server.config, bearer_of(request))
-        if refusal is not None:
-            return refusal
-        medium = body.get("medium", request.query_params.get("medium"))
+        if set(body) - {"medium"}:
+            return JSONResponse({"error": f"unknown fields {sorted(set(body) - {'medium'})}; /clear takes "
+                                          "{\"medium\": \"CPU\" | \"STORAGE\"} or {}"}, status_code=400)
+        query = request.query_params.get("medium")
+        if "medium" in body and query is not None and body["medium"] != query:
+            return JSONResponse({"error": f"medium {body['medium']!r} in the body but {query!r} in the query; "
+                                          "give it once"}, status_code=400)
+        medium = body.get("medium", query)
         try:
             # off the request thread: this one may wait for the L2 clear (at most 30 s)
             num_chunks = await asyncio.to_thread(server.clear, medium, wait=True)

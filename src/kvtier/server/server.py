@@ -31,7 +31,7 @@ import zmq
 from kvtier import protocol as P
 from kvtier.cache import KVCache, Tiers
 from kvtier.config import KVTierConfig
-from kvtier.errors import KVTierError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
 from kvtier.proc import host_id, pid_start_time
 from kvtier.server.dataops import DataOps
@@ -107,6 +107,7 @@ class KVTierServer:
         self.shm_name = shm_name
         self._shm_lock = hold_lock(shm_name) if shm_name else None
         self.caches: dict[tuple[str, str, str], KVCache] = {}
+        self._refused_models: set[str] = set()  # models whose refusal was logged
         self.known = KnownCaches(MAX_CACHES)  # for the management API, kept after their sessions are gone
         self.sessions: dict[bytes, Session] = {}
         self._next_idle_scan = 0.0
@@ -280,7 +281,13 @@ class KVTierServer:
         if cache is None:
             if len(self.caches) >= MAX_CACHES:
                 return error_reply(msg, "bad_request", f"this server already serves {MAX_CACHES} caches")
-            cache = KVCache(self.config, msg.model, layout, namespace=namespace, tiers=self.tiers)
+            try:
+                cache = KVCache(self.config, msg.model, layout, namespace=namespace, tiers=self.tiers)
+            except ConfigError as exc:  # e.g. an adapter writes a lossy codec this model may not read
+                if msg.model not in self._refused_models:  # once per model: clients retry
+                    self._refused_models.add(msg.model)
+                    log.warning("refusing clients of model %r: %s", msg.model, exc)
+                return error_reply(msg, "config_mismatch", str(exc))
             self.caches[cache_key] = cache
         self.known.note(cache_key, cache)
         # one mapping of the arena reaches every slot, so a tenant's bytes travel as frames

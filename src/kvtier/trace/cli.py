@@ -19,6 +19,9 @@ from kvtier.trace.simulate import SimConfig, Simulation, simulate
 from kvtier.units import GB, parse_size
 
 
+MIN_SIZE_BYTES = 64
+
+
 def _sizes(value: str, flag: str) -> list[float]:
     """Comma-separated sizes (GB unless a unit is given: '512MiB'); every one > 0."""
     out = []
@@ -29,7 +32,11 @@ def _sizes(value: str, flag: str) -> list[float]:
         except ConfigError as exc:
             raise InputError(f"{flag}: {exc}") from None
         if size <= 0:
-            raise InputError(f"{flag}: sizes must be > 0, got {part!r} (leave --l2-size-gb out for no L2)")
+            hint = " (leave --l2-size-gb out for no L2)" if flag == "--l2-size-gb" else ""
+            raise InputError(f"{flag}: sizes must be > 0, got {part!r}{hint}")
+        if round(size * GB) < MIN_SIZE_BYTES:  # the arena's floor; a chunk is far larger anyway
+            raise InputError(f"{flag}: {part!r} is {round(size * GB)} bytes; give at least {MIN_SIZE_BYTES} bytes "
+                             "(e.g. 64KB, 1GB)")
         out.append(size)
     return out
 

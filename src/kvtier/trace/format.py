@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import xxhash
@@ -79,7 +80,7 @@ class TraceHeader(msgspec.Struct, kw_only=True):
 class TraceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One request (see ``FIELDS``)."""
 
-    t: float
+    t: Annotated[float, msgspec.Meta(ge=0)]  # seconds since the start: never before it (nor NaN)
     op: str
     session: str = ""
     tokens: int = 0

@@ -76,6 +76,23 @@ def test_bad_codec_settings_are_startup_errors(tmp_path):
         KVCache(config([{**disk, "codec": "int8"}], lossy_codecs_allowed={"m": ["int8"]}), "other", LAYOUT)
 
 
+def test_a_server_refuses_the_clients_of_a_model_its_lossy_writer_may_not_serve_and_says_so(tmp_path):
+    from support.server import ServerProc
+
+    from kvtier.client import Client
+    from kvtier.errors import ProtocolError
+
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk"), "codec": "int8"}
+    with ServerProc(tmp_path, config={"l2_adapters": [disk], "lossy_codecs_allowed": {"m": ["int8"]}}) as server:
+        for _ in range(2):
+            with pytest.raises(ProtocolError, match="writes lossy codec 'int8', which model 'other' may not"):
+                Client(server.url, model="other", layout=LAYOUT).close()
+        with Client(server.url, model="m", layout=LAYOUT) as allowed:
+            assert allowed.store(list(range(CHUNK)), bf16_like(CHUNK, 5)) == 1
+        log = server.log_path.read_text()
+        assert log.count("WARNING kvtier.server.server: refusing clients of model 'other'") == 1, log[-2000:]
+
+
 def test_a_corrupted_compressed_record_is_a_miss_deleted_and_counted(tmp_path):
     disk = {"type": "local_disk", "path": str(tmp_path / "disk"), "codec": "lz4"}
     tokens = list(range(CHUNK))

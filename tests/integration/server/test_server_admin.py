@@ -34,6 +34,12 @@ def test_with_an_admin_token_every_clear_needs_it(tmp_path, monkeypatch):
         assert form.status_code == 415 and client.lookup(tokens) == CHUNK  # never a form, even with the token
         wrong = httpx.post(server.admin + "/clear", json={}, headers={"Authorization": "Bearer wrong"})
         assert wrong.status_code == 401 and client.lookup(tokens) == CHUNK
+        assert httpx.post(server.admin + "/clear").status_code == 401  # who asks first, then what is asked
+        auth = {"Authorization": f"bearer {TOKEN}"}  # the scheme in any case
+        for kwargs, says in (({"json": {"medium": "CPU", "x": 1}}, "unknown fields ['x']"),
+                             ({"json": {"medium": "CPU"}, "params": {"medium": "STORAGE"}}, "give it once")):
+            bad = httpx.post(server.admin + "/clear", headers=auth, **kwargs)
+            assert bad.status_code == 400 and says in bad.json()["error"] and client.lookup(tokens) == CHUNK
         status = httpx.get(server.admin + "/status").text
         assert SALT not in status and TOKEN not in status  # a namespace is a digest: no cache_salt in clear
         assert namespace_of(None, SALT) in status
