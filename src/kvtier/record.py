@@ -188,13 +188,16 @@ def record_size(parts: list) -> int:
 def decode_header(buf) -> tuple[RecordHeader, int]:
     """Parse the header at the start of ``buf`` and check its checksum (format version 4 on); return (header,
     payload offset). Raises CorruptRecordError: truncated, bad magic or version, checksum mismatch, a header that
-    does not parse or whose layout is not a KV layout."""
+    does not parse or whose layout is not a KV layout; ForeignRecordError (one): a newer format version."""
     view = memoryview(buf).cast("B")
     if view.nbytes < PREFIX_BYTES:
         raise CorruptRecordError(f"record truncated: {view.nbytes} bytes")
     magic, version, hlen = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise CorruptRecordError("not a kvtier record (bad magic)")
+    if version > FORMAT_VERSION:  # a newer kvtier's: kept for it, a miss here
+        raise ForeignRecordError(f"record format version {version} is newer than this kvtier reads "
+                                 f"{READ_VERSIONS}; upgrade kvtier to read it")
     if version not in READ_VERSIONS:
         raise CorruptRecordError(f"record format version {version}; this kvtier reads {READ_VERSIONS}")
     offset = PREFIX_BYTES + hlen + (_HEADER_CHECKSUM.size if version >= 4 else 0)

@@ -64,6 +64,14 @@ def test_an_unknown_encoding_is_an_unknown_codec_not_a_corrupt_record():
         decode_record(future, key)
 
 
+def test_a_newer_format_version_is_foreign_kept_not_corrupt():
+    key, _, buf = _record()
+    newer = bytearray(buf)
+    newer[4:6] = (5).to_bytes(2, "big")
+    with pytest.raises(ForeignRecordError, match="version 5 is newer"):
+        decode_record(bytes(newer), key)
+
+
 def test_every_damaged_header_byte_is_a_corrupt_record():
     """The header describes how to read the payload (layout, codec parameters): one flipped bit anywhere in it
     must be a corrupt record, never a record read with other parameters."""
