@@ -284,7 +284,8 @@ class KVTierServer:
             try:
                 cache = KVCache(self.config, msg.model, layout, namespace=namespace, tiers=self.tiers)
             except ConfigError as exc:  # e.g. an adapter writes a lossy codec this model may not read
-                if msg.model not in self._refused_models:  # once per model: clients retry
+                # once per model (clients retry), and a bounded set (model ids come from the clients)
+                if msg.model not in self._refused_models and len(self._refused_models) < MAX_CACHES:
                     self._refused_models.add(msg.model)
                     log.warning("refusing clients of model %r: %s", msg.model, exc)
                 return error_reply(msg, "config_mismatch", str(exc))
