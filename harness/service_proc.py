@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -64,8 +65,32 @@ def require(name: str) -> str:
     return path
 
 
+# Ports for the servers tests start: below Linux's ephemeral range (ip_local_port_range, 32768-60999 by default),
+# which the kernel hands to every outgoing connection: a port found free there was sometimes taken by another
+# test's connection before the server bound it ("Address already in use" in CI). Above Azurite's 10000-10002.
+_PORTS = (15000, 32767)
+_RNG = random.SystemRandom()  # not the random module's: a test that seeds it must not make the workers agree
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A 127.0.0.1 TCP port nothing listens on, chosen at random below the ephemeral range (see ``_PORTS``)."""
+    high = min(_PORTS[1], _ephemeral_low() - 1)
+    for _ in range(200):
+        port = _RNG.randint(_PORTS[0], high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # that range is full: let the kernel pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
