@@ -2,7 +2,8 @@
 
 Workload: 8 documents of 512-1,024 tokens of real text (``benchmarks/corpus.py``: the licences and package docs
 Debian ships), a short shared system prefix, and prompts of 3-4 documents in random order followed by a
-question; SmolLM2-135M-Instruct fp32 on CPU. For the same prompts, in one run, interleaved prompt by prompt:
+question; SmolLM2-135M-Instruct fp32 on CPU (``--model gemma3``: Gemma-3-270M, a base model with sliding-window
+layers, prompts as plain text after its BOS). For the same prompts, in one run, interleaved prompt by prompt:
 
   full      a full prefill (``model(ids)``): the baseline every ratio is against
   prefix    prefix-only caching, ``HFConnector.prefill`` over its own KVCache, warmed with ``[prefix][doc]`` for
@@ -18,6 +19,7 @@ answer token's distribution (nats).
 
     PYTHONPATH=$PWD/src .venv/bin/python benchmarks/rag_blend.py [--prompts 40] [--sweep 0,0.05,0.1,0.15,0.2,0.3,1]
         [--chart docs/img/rag_blend.png] [--seed 0] [--head-tokens N] [--refine-layers N] [--widen X]
+        [--model smollm2|gemma3]
 
 Besides TTFT, each blended row splits it into assembly (looking the documents up, copying and re-rotating their
 KV) and recompute (``blend.recompute``).
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from corpus import Corpus
 from kvtier.blend import segments_from_lengths
@@ -39,31 +42,39 @@ from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.connectors.hf import HFConnector, model_identity_of
 from kvtier.connectors.hf_blend import DEFAULT_FRACTION, DEFAULT_HEAD_TOKENS, DEFAULT_REFINE_LAYERS, DEFAULT_WIDEN
-from kvtier.models import kv_layout_of, load_smollm2
+from kvtier.models import kv_layout_of, load_gemma3, load_smollm2
 
 NUM_DOCS = 8
 DOC_TOKENS = (512, 1024)
 ANSWER_TOKENS = 32
 CHUNK_SIZE = 256
-SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. Answer the question using the documents below."
-          "<|im_end|>\n<|im_start|>user\n")
+# per model: (loader, title, system prefix, question template); "{bos}" is the tokenizer's BOS (Gemma needs it)
+MODELS = {
+    "smollm2": (load_smollm2, "SmolLM2-135M fp32 CPU",
+                "<|im_start|>system\nYou are a helpful assistant. Answer the question using the documents below."
+                "<|im_end|>\n<|im_start|>user\n", "Question: {}<|im_end|>\n<|im_start|>assistant\n"),
+    "gemma3": (load_gemma3, "Gemma-3-270M fp32 CPU",
+               "{bos}You are a helpful assistant. Answer the question using the documents below.\n\n",
+               "Question: {}\nAnswer:"),
+}
 QUESTIONS = ("Which software licence do these documents talk about?", "Summarize the first document in one sentence.",
              "Who are the authors named in these documents?", "What changed in the most recent release?",
              "Which document mentions warranty, and what does it say?", "What is the main topic of the last document?")
 
 
-def build_workload(tokenizer, num_prompts: int, seed: int):
+def build_workload(tokenizer, num_prompts: int, seed: int, model: str = "smollm2"):
     """``(prefix_ids, docs, prompts)``: docs are token-id lists; each prompt is ``(ids, lengths, kinds)``."""
+    _, _, system, ask = MODELS[model]
     rng = random.Random(seed)
     corpus = Corpus(tokenizer, seed)
     enc = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
-    prefix = enc(SYSTEM)
+    prefix = enc(system.format(bos=tokenizer.bos_token or ""))
     # each document ends in a blank line, so the next one (or the question) starts a paragraph
     docs = [enc(corpus.draw(rng.randint(*DOC_TOKENS)) + "\n\n") for _ in range(NUM_DOCS)]
     prompts = []
     for _ in range(num_prompts):
         chosen = rng.sample(range(NUM_DOCS), rng.choice((3, 4)))
-        question = enc(f"Question: {rng.choice(QUESTIONS)}<|im_end|>\n<|im_start|>assistant\n")
+        question = enc(ask.format(rng.choice(QUESTIONS)))
         parts = [prefix] + [docs[d] for d in chosen] + [question]
         ids = [t for part in parts for t in part]
         prompts.append((ids, [len(p) for p in parts], ["prefix"] + ["doc"] * len(chosen) + ["text"]))
@@ -80,18 +91,19 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 @torch.inference_mode()
 def full_prefill(model, ids: torch.Tensor):
     started = time.perf_counter()
-    out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+    out = model(ids, past_key_values=DynamicCache(), attention_mask=torch.ones_like(ids), use_cache=True,
+                logits_to_keep=1)
     return out.logits[:, -1, :], out.past_key_values, time.perf_counter() - started
 
 
 def run(args) -> dict:
-    model, tokenizer = load_smollm2(progress=False)
+    model, tokenizer = MODELS[args.model][0](progress=False)
     model_id, layout = model_identity_of(model), kv_layout_of(model)
     open_cache = lambda size: KVCache(build_config({"chunk_size": CHUNK_SIZE, "l1_size_gb": size}),  # noqa: E731
                                       model_id, layout)
     prefix_conn = HFConnector(model, open_cache("3GiB"), model_id=model_id)
     blend_conn = HFConnector(model, open_cache("1GiB"), model_id=model_id)
-    prefix, docs, prompts = build_workload(tokenizer, args.prompts, args.seed)
+    prefix, docs, prompts = build_workload(tokenizer, args.prompts, args.seed, args.model)
     fractions = list(dict.fromkeys([DEFAULT_FRACTION, 0.0, *args.sweep]))
     print(f"{len(prompts)} prompts, {NUM_DOCS} documents of {min(map(len, docs))}-{max(map(len, docs))} tokens, "
           f"prompts of {min(len(p[0]) for p in prompts)}-{max(len(p[0]) for p in prompts)} tokens, "
@@ -129,7 +141,8 @@ def run(args) -> dict:
                                                                                                    stats["ttft_seconds"])})
             line.append(f"blend@{f:g} {stats['ttft_seconds']:.3f} s {'=' if answer == ref_answer else 'x'}")
         print(", ".join(line), flush=True)
-    return {"rows": rows, "fractions": fractions, "hit_rate": hit_tokens / prompt_tokens, "knobs": knobs}
+    return {"rows": rows, "fractions": fractions, "hit_rate": hit_tokens / prompt_tokens, "knobs": knobs,
+            "title": MODELS[args.model][1]}
 
 
 def report(result: dict) -> list[dict]:
@@ -160,7 +173,7 @@ def report(result: dict) -> list[dict]:
     return table
 
 
-def chart(table: list[dict], path: Path, num_prompts: int) -> None:
+def chart(table: list[dict], path: Path, num_prompts: int, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,7 +191,7 @@ def chart(table: list[dict], path: Path, num_prompts: int) -> None:
                label=f"first {ANSWER_TOKENS} tokens identical")
     right.set_ylabel(f"% prompts, first {ANSWER_TOKENS} answer tokens identical", color="#cc3311")
     right.set_ylim(0, 105)
-    ax.set_title(f"Blended reuse, SmolLM2-135M fp32 CPU, {num_prompts} RAG prompts of 3-4 documents")
+    ax.set_title(f"Blended reuse, {title}, {num_prompts} RAG prompts of 3-4 documents")
     fig.legend(loc="lower right", bbox_to_anchor=(0.88, 0.15), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +213,7 @@ def main() -> None:
                     help="gradual filtering: layers narrowing the selection after the check layer (0: none)")
     ap.add_argument("--widen", type=float, default=DEFAULT_WIDEN,
                     help="with --refine-layers: how much larger the check layer's selection is")
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="the model (default smollm2)")
     args = ap.parse_args()
     try:
         args.sweep = [float(x) for x in args.sweep.split(",") if x.strip()]
@@ -208,9 +222,10 @@ def main() -> None:
     if any(not 0 <= f <= 1 for f in args.sweep) or args.prompts < 1:
         ap.error("--sweep fractions must lie in [0, 1] and --prompts must be >= 1")
     torch.manual_seed(args.seed)
-    table = report(run(args))
+    result = run(args)
+    table = report(result)
     if args.chart:
-        chart(table, args.chart, args.prompts)
+        chart(table, args.chart, args.prompts, result["title"])
 
 
 if __name__ == "__main__":

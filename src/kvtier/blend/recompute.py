@@ -1,4 +1,4 @@
-"""Partial recompute in transformers: run a Llama-family model over an assembled KV cache, recomputing only
+"""Partial recompute in transformers: run a Llama-family or Gemma-3 model over an assembled KV cache, recomputing only
 selected tokens and writing their new K/V over the reused ones in every layer (tensors in, tensors out; no
 kvtier storage here).
 
@@ -12,14 +12,18 @@ deviation of the K/V it has just recomputed, down to ``fraction``.
 
 The decoder layers are the model's own modules; only their cache is ours (``BlendCache``). The selected rows go
 through each layer in a few blocks in position order, each attending to the keys up to its last position only
-(a block's queries never see later keys, so the rest of the cache need not be read).
+(a block's queries never see later keys, so the rest of the cache need not be read). Each layer gets its own
+rotary cos/sin and, for a sliding-window layer (Gemma-3), a mask limited to its window (``RopeRotator``'s
+per-layer types and windows), as the model's own forward would.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
+from kvtier.blend.rope import RopeRotator
 from kvtier.blend.select import kv_deviation, select_top
 from kvtier.errors import BlendUnsupportedError
 
@@ -83,9 +87,13 @@ def _row_blocks(rows: torch.Tensor, num_blocks: int) -> list[tuple[int, int]]:
     return [(edges[b], edges[b + 1]) for b in range(count)]
 
 
-def _mask(rows: torch.Tensor, limit: int, eager: bool, dtype) -> torch.Tensor:
-    """``[1, 1, S, limit]``: row ``r`` may attend to tokens ``<= rows[r]`` (bool for sdpa, additive for eager)."""
-    allowed = torch.arange(limit)[None, :] <= rows[:, None]
+def _mask(rows: torch.Tensor, limit: int, eager: bool, dtype, window: int | None = None) -> torch.Tensor:
+    """``[1, 1, S, limit]``: row ``r`` may attend to tokens ``<= rows[r]`` and, with a ``window``, ``> rows[r] -
+    window`` (bool for sdpa, additive for eager)."""
+    keys = torch.arange(limit)[None, :]
+    allowed = keys <= rows[:, None]
+    if window:
+        allowed &= keys > rows[:, None] - window
     if not eager:
         return allowed[None, None]
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
@@ -95,12 +103,12 @@ def _mask(rows: torch.Tensor, limit: int, eager: bool, dtype) -> torch.Tensor:
 def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   reused: torch.Tensor, forced: torch.Tensor, fraction: float, *, check_layer: int = 1,
                   exact: torch.Tensor | None = None, refine_layers: int = 0, widen: float = 1.0,
-                  attention_blocks: int = ATTENTION_BLOCKS):
+                  attention_blocks: int = ATTENTION_BLOCKS, rotator: RopeRotator | None = None):
     """Prefill ``input_ids`` over the assembled K/V, recomputing the forced and the selected tokens.
 
     Args:
-        model: a Llama-family ``PreTrainedModel`` (``model.model.layers``, ``.norm``, ``.rotary_emb``, ``lm_head``)
-            with ``sdpa`` or ``eager`` attention.
+        model: a Llama-family or Gemma-3 ``PreTrainedModel`` (``model.model.layers``, ``.norm``, ``.rotary_emb``,
+            ``lm_head``) with ``sdpa`` or ``eager`` attention.
         input_ids: ``[1, T]`` long.
         keys, values: per layer ``[1, num_kv_heads, T, head_dim]`` in the model's dtype: reused K (already at the
             new positions) and V where ``reused``; anything elsewhere. **Mutated**: every recomputed token's K/V
@@ -113,19 +121,22 @@ def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], valu
         refine_layers: gradual filtering: layers after the check layer that narrow the selection (0: none).
         widen: with ``refine_layers``, the check layer keeps ``widen`` times the final count (>= 1).
         attention_blocks: the selected rows go through each layer in up to this many blocks (>= 1).
+        rotator: the model's ``RopeRotator`` (its layer types and windows); default ``RopeRotator.for_model``.
 
     Returns:
         ``(logits_last [1, vocab], DynamicCache of all T tokens (over ``keys`` / ``values``), num_recomputed)``:
         ``num_recomputed`` counts the tokens recomputed in the last layer (all T in the layers before the check).
 
     Raises:
-        BlendUnsupportedError: an attention implementation other than sdpa or eager.
+        BlendUnsupportedError: an attention implementation other than sdpa or eager, or a position encoding
+            ``RopeRotator.for_model`` refuses.
     """
     impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     if impl not in MASKED_ATTENTION:
         raise BlendUnsupportedError(f"blending builds attention masks for {', '.join(MASKED_ATTENTION)}, not "
                                     f"{impl!r}; load the model with attn_implementation='sdpa'")
     eager = impl == "eager"
+    rotator = rotator or RopeRotator.for_model(model)
     inner = model.model
     layers = inner.layers
     T = input_ids.shape[1]
@@ -138,48 +149,61 @@ def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], valu
     cache = BlendCache(keys, values)
     positions = torch.arange(T).unsqueeze(0)
     hidden = inner.embed_tokens(input_ids)
-    cos, sin = inner.rotary_emb(hidden, positions)
-    full_mask = _mask(positions[0], T, True, hidden.dtype) if eager else None  # None: sdpa's own causal kernel
+    # per layer type: (cos, sin) [1, rows, head_dim] of the rows still computed
+    rope = {t: inner.rotary_emb(hidden, positions, *(() if t is None else (t,))) for t in set(rotator.layer_types)}
+    full_masks = {}  # window -> [1, 1, T, T] (None: sdpa's own causal kernel)
     rows = positions[0]
     for i, layer in enumerate(layers):
+        kind, window = rotator.layer_types[i], rotator.windows[i]
         if i < check_layer:  # every token, in order
+            if window not in full_masks:
+                full_masks[window] = _mask(rows, T, eager, hidden.dtype, window) if eager or window else None
             cache.rows = None
-            hidden = _call(layer, hidden, full_mask, positions, cache, cos, sin)
+            hidden = _call(layer, hidden, full_masks[window], positions, cache, rope[kind])
             continue
         if i == check_layer:
-            k, v = _check_kv(layer, hidden, cos, sin)
+            k, v = _check_kv(layer, hidden, *rope[kind])
             rows = select_top(kv_deviation(k, v, keys[i], values[i]), candidates, forced, first)
-            hidden, cos, sin = hidden[:, rows], cos[:, rows], sin[:, rows]
+            hidden = hidden[:, rows]
+            rope = {t: (c[:, rows], s[:, rows]) for t, (c, s) in rope.items()}
         step = i - check_layer  # layers check+1 .. check+refine_layers narrow the selection
         cache.measure = 1 <= step <= refine_layers
+        cos, sin = rope[kind]
         outs, devs = [], []
         for a, b in _row_blocks(rows, attention_blocks):
             block = rows[a:b]
             cache.rows, cache.limit = block, int(block[-1]) + 1
-            outs.append(_call(layer, hidden[:, a:b], _mask(block, cache.limit, eager, hidden.dtype),
-                              positions[:, block], cache, cos[:, a:b], sin[:, a:b]))
+            outs.append(_call(layer, hidden[:, a:b], _mask(block, cache.limit, eager, hidden.dtype, window),
+                              positions[:, block], cache, (cos[:, a:b], sin[:, a:b])))
             devs.append(cache.deviation)
         hidden = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if cache.measure:
             count = round(first + (final - first) * step / refine_layers)
             keep = select_top(torch.cat(devs), candidates[rows], forced[rows], count)
-            rows, hidden, cos, sin = rows[keep], hidden[:, keep], cos[:, keep], sin[:, keep]
+            rows, hidden = rows[keep], hidden[:, keep]
+            rope = {t: (c[:, keep], s[:, keep]) for t, (c, s) in rope.items()}
     cache.measure = False
     logits = model.lm_head(inner.norm(hidden[:, -1:]))[:, -1, :]
-    return logits, cache_over(keys, values, model.config), int(len(rows))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:  # Gemma: the model's own forward caps its logits
+        logits = torch.tanh(logits / cap) * cap
+    return logits, cache_over(keys, values), int(len(rows))
 
 
-def _call(layer, hidden, mask, positions, cache, cos, sin):
+def _call(layer, hidden, mask, positions, cache, cos_sin):
     out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                position_embeddings=(cos, sin))
+                position_embeddings=cos_sin)
     return out[0] if isinstance(out, tuple) else out
 
 
-def cache_over(keys: list[torch.Tensor], values: list[torch.Tensor], config) -> DynamicCache:
-    """A ``DynamicCache`` whose layers hold ``keys[i]`` / ``values[i]`` themselves (no copy; transformers'
-    ``ddp_cache_data`` would concatenate, i.e. copy, each layer once)."""
-    cache = DynamicCache(config=config)
-    for layer, k, v in zip(cache.layers, keys, values):
+def cache_over(keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+    """A ``DynamicCache`` of full layers (every token, a sliding-window layer's too) whose layers hold ``keys[i]`` /
+    ``values[i]`` themselves (no copy; transformers' ``ddp_cache_data`` would concatenate, i.e. copy, each layer
+    once)."""
+    cache = DynamicCache()
+    for k, v in zip(keys, values):
+        layer = DynamicLayer()
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
+        cache.layers.append(layer)
     return cache

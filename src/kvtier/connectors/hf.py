@@ -20,7 +20,6 @@ import time
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvtier.errors import InputError, KVTierError
 from kvtier.hashing import as_token_array
@@ -28,23 +27,26 @@ from kvtier.identity import model_identity
 from kvtier.models import kv_layout_of
 
 
-def kv_to_dynamic_cache(kv: torch.Tensor, config) -> DynamicCache:
-    """Build a ``DynamicCache`` from kvtier KV.
+def kv_to_dynamic_cache(kv: torch.Tensor) -> DynamicCache:
+    """Build a ``DynamicCache`` of full layers from kvtier KV.
+
+    Full layers on purpose: a sliding-window layer's cache type (``DynamicCache(config=...)`` for Gemma-3) drops
+    the tokens before its window, which kvtier stores; the model masks each layer to its window itself, so a
+    full layer gives the same output (and decoding continues from it).
 
     Args:
         kv: ``(num_layers, 2, n, num_kv_heads, head_dim)``; read through strided views and copied into the
             cache's own per-layer tensors (``kv`` is not kept).
-        config: the model's transformers config (decides the per-layer cache type).
 
     Returns:
-        a cache whose layer ``l`` holds keys ``kv[l, 0]`` and values ``kv[l, 1]`` as ``[1, heads, n, head_dim]``.
+        a cache whose layer ``l`` holds keys ``kv[l, 0]`` and values ``kv[l, 1]`` as ``[1, heads, n, head_dim]``
+        (an empty cache, layers made on first use, when ``n`` is 0).
     """
     if kv.shape[2] == 0:
-        return DynamicCache(config=config)
+        return DynamicCache()
     # (L, 2, n, H, D) -> per layer [1, H, n, D]
     per_layer = kv.transpose(2, 3).unsqueeze(2)  # (L, 2, 1, H, n, D)
-    return DynamicCache(ddp_cache_data=[(per_layer[i, 0], per_layer[i, 1]) for i in range(kv.shape[0])],
-                        config=config)
+    return DynamicCache(ddp_cache_data=[(per_layer[i, 0], per_layer[i, 1]) for i in range(kv.shape[0])])
 
 
 def dynamic_cache_to_kv(cache: DynamicCache, num_tokens: int, start: int = 0) -> torch.Tensor:
@@ -92,15 +94,16 @@ class HFConnector:
     """A transformers causal LM whose prefill reuses KV through kvtier.
 
     Args:
-        model: a loaded ``PreTrainedModel`` (decoder-only; full attention on every layer; batch 1).
+        model: a loaded ``PreTrainedModel`` (decoder-only, batch 1). A model with sliding-window layers (Gemma-3)
+            works too: its caches are kept as full layers (``kv_to_dynamic_cache``), so every layer's chunk holds
+            all its tokens, as kvtier's layout ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)`` says.
         cache: a ``kvtier.cache.KVCache`` or ``kvtier.client.Client``: anything with ``lookup(tokens) -> int``,
             ``retrieve(tokens) -> (kv, n)`` and ``store(tokens, kv) -> int`` for this model's KV layout.
         model_id: the model id the cache was opened with (``model_identity_of(model)`` for a model loaded from a
             folder or the hub); checked against ``cache.model`` when both are known.
 
     Raises:
-        InputError: the cache was opened for another model id or KV layout, or the model uses a
-            sliding-window / hybrid cache (not supported yet).
+        InputError: the cache was opened for another model id or KV layout.
     """
 
     def __init__(self, model, cache, *, model_id: str | None = None):
@@ -117,10 +120,6 @@ class HFConnector:
         if cache_layout is not None and cache_layout != self.layout:
             raise InputError(f"the cache's KV layout {cache_layout} does not match the model's {self.layout}; "
                              "open the cache with kvtier.models.kv_layout_of(model)")
-        probe = DynamicCache(config=model.config)
-        if any(type(layer) is not DynamicLayer for layer in probe.layers):
-            raise InputError("this model uses sliding-window or hybrid cache layers, which HFConnector does not "
-                             "support yet; use a model with full attention on every layer")
 
     def _tokens(self, input_ids) -> torch.Tensor:
         """Validate one prompt (``[T]`` or ``[1, T]`` ints, T >= 1) and return it as a ``[1, T]`` long tensor."""
@@ -172,7 +171,7 @@ class HFConnector:
                 self._check_retrieved(kv, num_retrieved, num_prompt)
         # keep at least one token to compute: its logits give the first output token
         num_hit = min(num_retrieved, num_prompt - 1)
-        past = kv_to_dynamic_cache(kv[:, :, :num_hit] if num_hit else self._empty_kv(), self.model.config)
+        past = kv_to_dynamic_cache(kv[:, :, :num_hit] if num_hit else self._empty_kv())
         retrieved = time.perf_counter()
 
         out = self.model(ids[:, num_hit:], past_key_values=past, attention_mask=torch.ones_like(ids),

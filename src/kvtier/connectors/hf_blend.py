@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import DynamicCache
 
 from kvtier.blend.assemble import KVAssembly
 from kvtier.blend.recompute import blend_prefill, cache_over
@@ -54,8 +55,8 @@ def _compute_docs(connector, ids, context: int, asm: KVAssembly, missing, rotato
     hold all of it exactly), put it into ``asm``; returns ``[(segment, kv (L, 2, n, H, D))]`` to store."""
     model = connector.model
     if context and not bool(asm.exact[:context].all()):
-        out = model(ids[:, :context], attention_mask=torch.ones_like(ids[:, :context]), use_cache=True,
-                    logits_to_keep=1)
+        out = model(ids[:, :context], past_key_values=DynamicCache(), attention_mask=torch.ones_like(ids[:, :context]),
+                    use_cache=True, logits_to_keep=1)
         asm.put(0, dynamic_cache_to_kv(out.past_key_values, context))
         asm.reused[:context] = asm.exact[:context] = True
     keys = [k[:, :, :context] for k in asm.keys]
@@ -63,7 +64,7 @@ def _compute_docs(connector, ids, context: int, asm: KVAssembly, missing, rotato
     computed = []
     for seg in missing:
         doc = ids[:, seg.start:seg.end]
-        past = cache_over(keys, values, model.config) if context else None  # the model's update copies, never writes
+        past = cache_over(keys, values) if context else DynamicCache()  # the model's update copies, never writes
         out = model(doc, past_key_values=past, attention_mask=torch.ones((1, context + doc.shape[1]), dtype=torch.long),
                     use_cache=True, logits_to_keep=1)
         kv = dynamic_cache_to_kv(out.past_key_values, seg.num_tokens, start=context)
@@ -114,7 +115,8 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
         stats.update(blended=False, blend_refused=str(exc))
         return logits, past, stats
     if fraction == 1.0:  # recompute everything: a plain full prefill, exactly
-        out = connector.model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+        out = connector.model(ids, past_key_values=DynamicCache(), attention_mask=torch.ones_like(ids), use_cache=True,
+                              logits_to_keep=1)
         ready = time.perf_counter()
         return out.logits[:, -1, :], out.past_key_values, {
             "num_prompt_tokens": T, "num_hit_tokens": 0, "num_computed_tokens": T, "num_stored_chunks": 0,
@@ -149,7 +151,7 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
     assembled = time.perf_counter()
     logits, past, num_recomputed = blend_prefill(
         connector.model, ids, asm.keys, asm.values, asm.reused, asm.forced, fraction, check_layer=check_layer,
-        exact=asm.exact, refine_layers=refine_layers, widen=widen)
+        exact=asm.exact, refine_layers=refine_layers, widen=widen, rotator=rotator)
     ready = time.perf_counter()
     for seg, kv in computed:
         cache.store(ids[0, seg.start:seg.end], kv, ns)

@@ -1,12 +1,12 @@
 """Blending's refusals (issue 18, bad input): a position encoding kvtier cannot re-rotate falls back to prefix reuse
 with a clear reason; a document stored under another KV layout (dtype) is a miss, never wrong KV. Real
-transformers models (Gemma-3-270M, and Llama built from a real config), a real KVCache."""
+transformers models (Llama built from a real config), a real KVCache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from kvtier.blend import RopeRotator, segments_from_lengths
 from kvtier.cache import KVCache
@@ -39,13 +39,12 @@ def _dynamic_rope_llama():
         return LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.model
-def test_gemma3_is_refused_naming_its_model_type():
-    from kvtier.models import load_gemma3
-
-    model, _ = load_gemma3(progress=False)
-    with pytest.raises(BlendUnsupportedError, match="gemma3"):
-        RopeRotator.for_model(model)
+def test_sliding_window_without_layer_types_is_refused():
+    """Mistral's config names a window but not which layers use it: blending cannot mask them as the model does."""
+    config = MistralConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16)
+    with pytest.raises(BlendUnsupportedError, match=r"'mistral'.*sliding-window"):
+        RopeRotator.for_model(MistralForCausalLM(config))
 
 
 @torch.inference_mode()

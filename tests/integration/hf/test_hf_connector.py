@@ -66,7 +66,7 @@ def test_kv_conversion_round_trip(tiny):
     assert kv.is_contiguous()
     # token 7 of layer 1's values, head 1, lives at kv[1, 1, 7, 1] in kvtier's layout
     assert torch.equal(kv[1, 1, 7, 1], past.layers[1].values[0, 1, 7])
-    rebuilt = kv_to_dynamic_cache(kv[:, :, :32], tiny.config)
+    rebuilt = kv_to_dynamic_cache(kv[:, :, :32])
     assert rebuilt.get_seq_length() == 32
     for a, b in zip(rebuilt.layers, past.layers):
         assert torch.equal(a.keys, b.keys[:, :, :32]) and torch.equal(a.values, b.values[:, :, :32])
