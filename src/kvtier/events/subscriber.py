@@ -234,6 +234,9 @@ class Subscriber:
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.setsockopt(zmq.RCVHWM, 0)
+        # a DEALER with no usable peer (e.g. its CurveZMQ handshake was dropped) blocks a send: bound it, so an
+        # unanswerable replay is a timeout (a gap, or a catch-up on a fresh connection), never a hung subscriber
+        self._dealer.setsockopt(zmq.SNDTIMEO, max(1, int(self.replay_timeout_seconds * 1000)))
         if self._creds is not None:
             apply_client(self._dealer, self._creds)
         self._dealer.connect(self.replay_endpoint)
@@ -242,7 +245,12 @@ class Subscriber:
         """Ask the ROUTER for seqs >= first; return (seq, payload) in [first, last], or None on timeout."""
         if self._dealer is None:
             self._open_dealer()
-        self._dealer.send_multipart((b"", first.to_bytes(8, "big")))
+        try:
+            self._dealer.send_multipart((b"", first.to_bytes(8, "big")))
+        except zmq.Again:  # no peer took the request within the timeout: as unanswered
+            self._dealer.close()
+            self._dealer = None
+            return None
         got: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + self.replay_timeout_seconds
         while True:
