@@ -41,9 +41,8 @@ class RopeRotator:
     def __init__(self, inv_freq: torch.Tensor, layer_types=None, windows=None):
         freq = inv_freq.detach().to(torch.float64).cpu()
         self.inv_freq = freq if freq.dim() == 2 else freq[None]
-        num_layers = len(layer_types or windows or [None] * self.inv_freq.shape[0])
-        self.layer_types = list(layer_types or [None] * num_layers)
-        self.windows = list(windows or [None] * num_layers)
+        self.layer_types = list(layer_types) if layer_types is not None else [None] * self.inv_freq.shape[0]
+        self.windows = list(windows) if windows is not None else [None] * len(self.layer_types)
 
     @classmethod
     def for_model(cls, model) -> "RopeRotator":

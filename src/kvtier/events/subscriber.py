@@ -146,9 +146,7 @@ class Subscriber:
         if self._creds is not None and creds.secret == self._creds.secret and creds.path == self._creds.path:
             return
         self._creds = creds
-        if self._dealer is not None:
-            self._dealer.close()
-            self._dealer = None
+        self._close_dealer()
         self._open_sub()
 
     def drop_next(self, num_frames: int) -> None:
@@ -241,6 +239,12 @@ class Subscriber:
             apply_client(self._dealer, self._creds)
         self._dealer.connect(self.replay_endpoint)
 
+    def _close_dealer(self) -> None:
+        """Drop the replay connection (the next replay opens a fresh one)."""
+        if self._dealer is not None:
+            self._dealer.close()
+            self._dealer = None
+
     def _replay(self, first: int, last: int | None) -> list[tuple[int, bytes]] | None:
         """Ask the ROUTER for seqs >= first; return (seq, payload) in [first, last], or None on timeout."""
         if self._dealer is None:
@@ -248,16 +252,14 @@ class Subscriber:
         try:
             self._dealer.send_multipart((b"", first.to_bytes(8, "big")))
         except zmq.Again:  # no peer took the request within the timeout: as unanswered
-            self._dealer.close()
-            self._dealer = None
+            self._close_dealer()
             return None
         got: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + self.replay_timeout_seconds
         while True:
             wait_milliseconds = max(0, int((deadline - time.monotonic()) * 1000))
             if not self._dealer.poll(wait_milliseconds):
-                self._dealer.close()  # late replies must not answer the next request
-                self._dealer = None
+                self._close_dealer()  # late replies must not answer the next request
                 return None
             frames = self._dealer.recv_multipart()
             if frames and frames[0] == b"":
