@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+from kvtier import hashing
 from kvtier.errors import ConfigError, InputError
 from kvtier.hashing import ALGORITHMS, DEFAULT_ALGORITHM, as_token_array, event_id, prefix_hashes, root_hash
 
@@ -53,9 +54,22 @@ def test_legacy_64bit_chain():
     assert got == [795349079050919324, 1097524857542371387]
 
 
+# each encoder runs on prompts of any length (short ones take the block-by-block encoder unless the table's
+# threshold is lowered to 0): both must give the same bytes
+BOTH_ENCODERS = pytest.mark.parametrize("table", [True, False], ids=["table", "block_by_block"])
+
+
+def use_table(monkeypatch, table: bool) -> None:
+    threshold = 0 if table else 10**9
+    monkeypatch.setattr(hashing, "_CBOR_TABLE_MIN_TOKENS", threshold)
+    monkeypatch.setattr(hashing, "_PICKLE_TABLE_MIN_TOKENS", threshold)
+
+
+@BOTH_ENCODERS
 @pytest.mark.parametrize("algorithm", ["sha256_cbor", "xxhash_cbor"])
-def test_fast_cbor_path_equals_cbor2(algorithm):
+def test_fast_cbor_path_equals_cbor2(algorithm, table, monkeypatch):
     """The vectorised token encoder must equal cbor2 for every integer width."""
+    use_table(monkeypatch, table)
     import hashlib
 
     import cbor2
@@ -79,11 +93,13 @@ def test_default_algorithm_is_vllm_032s_default():
     assert prefix_hashes(TOKENS, 4, seed="vllm-none-hash") == prefix_hashes(TOKENS, 4, "sha256", "vllm-none-hash")
 
 
+@BOTH_ENCODERS
 @pytest.mark.parametrize("algorithm", ["sha256", "xxhash"])
-def test_fast_pickle_path_equals_pickle_dumps(algorithm):
+def test_fast_pickle_path_equals_pickle_dumps(algorithm, table, monkeypatch):
     """The vectorised pickle encoder must give the bytes of pickle.dumps(..., protocol=5) for every token
     width (BININT1/BININT2/BININT), block lengths 1-3 (TUPLE1-3) and more (MARK ... TUPLE), partial blocks,
     and blocks with extra keys in between (those go through pickle itself)."""
+    use_table(monkeypatch, table)
     import hashlib
     import pickle
 

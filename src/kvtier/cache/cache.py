@@ -72,6 +72,11 @@ class KVCache:
         """``PromptKeys.chunk_refs`` (validated tokens and the prompt's memoised chunk refs)."""
         return self.keys.chunk_refs(tokens, namespace, extra_keys=extra_keys, hasher=hasher)
 
+    def head_refs(self, tokens, namespace: str | None = None, *,
+                  extra_keys=None) -> tuple[np.ndarray, list[ChunkRef], bool]:
+        """``PromptKeys.head_refs`` (the memoised refs, or the first chunk's alone)."""
+        return self.keys.head_refs(tokens, namespace, extra_keys=extra_keys)
+
     def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:
         """``PromptKeys.memoised``."""
         return self.keys.memoised(tokens, namespace, extra_keys=extra_keys)

@@ -44,16 +44,39 @@ class PromptKeys:
         one document, cut into chunks with its partial tail and chained from the segment root. The refs are
         memoised. Raises InputError on bad tokens or extra keys
         (and what ``hasher`` raises)."""
-        arr, ns, extra, memo_key = self._memo_key(tokens, namespace, extra_keys)
-        refs = self.memo.get(memo_key)
-        if refs is not None:  # these exact ids were checked when they were memoised
-            return arr, refs
-        check_token_ids(arr)
+        arr, ns, extra, memo_key, refs = self._recall(tokens, namespace, extra_keys)
+        if refs is None:
+            refs, num_digests = self._refs(arr, ns, extra, hasher)
+            self.memo.put(memo_key, refs, num_digests, extra is not None)
+        return arr, refs
+
+    def head_refs(self, tokens, namespace: str | None = None, *,
+                  extra_keys=None) -> tuple[np.ndarray, list[ChunkRef], bool]:
+        """``(tokens, refs, whole)``: the prompt's memoised refs (``whole`` True), or else the ref of its first
+        chunk alone, nothing memoised (``whole`` True only when that is every chunk). Only that chunk's blocks
+        are hashed: a lookup whose first chunk no tier holds needs no more, and most lookups of new prompts
+        are such. Validates as ``chunk_refs`` and raises what it raises."""
+        arr, ns, extra, _, refs = self._recall(tokens, namespace, extra_keys)
+        if refs is not None:
+            return arr, refs, True
+        refs, _ = self._refs(arr, ns, extra, prefix_hashes, max_chunks=1)
+        return arr, refs, not refs or refs[-1].end == self._end(arr, ns)
+
+    def _end(self, arr: np.ndarray, ns: str) -> int:
+        """Tokens of ``arr`` that belong to a chunk: all in a segment namespace (a document's own tokens, stored
+        whole) or with ``save_unfull_chunk``, else the full chunks'."""
+        c = self.config.chunk_size
+        return len(arr) if self.config.save_unfull_chunk or is_segment_namespace(ns) else len(arr) // c * c
+
+    def _refs(self, arr: np.ndarray, ns: str, extra, hasher, max_chunks: int | None = None) -> tuple[list[ChunkRef], int]:
+        """(refs of the first ``max_chunks`` chunks, default all; number of block digests computed). A segment
+        namespace is chained from the segment root."""
         cfg = self.config
         bs, c = cfg.effective_block_size, cfg.chunk_size
-        segment = is_segment_namespace(ns)  # a document's own tokens: stored whole, chained from its own root
-        end = len(arr) if cfg.save_unfull_chunk or segment else len(arr) // c * c  # tokens that belong to a chunk
-        seed = cfg.hash_seed + SEGMENT_SEED_SUFFIX if segment else cfg.hash_seed
+        end = self._end(arr, ns)
+        if max_chunks is not None:
+            end = min(end, max_chunks * c)
+        seed = cfg.hash_seed + SEGMENT_SEED_SUFFIX if is_segment_namespace(ns) else cfg.hash_seed
         digests = hasher(arr[:end], bs, cfg.hash_algorithm, seed, extra, include_partial=True)
         blocks = PromptBlocks(bs, digests, None if extra is None else extra[:len(digests)])
         refs = []
@@ -61,8 +84,7 @@ class PromptKeys:
             stop = min(start + c, end)
             key = ChunkKey(self.model, self.key_layout_id, ns, digests[num_blocks_of(stop, bs) - 1])
             refs.append(ChunkRef(i, key, start, stop, blocks))
-        self.memo.put(memo_key, refs, len(digests), extra is not None)
-        return arr, refs
+        return refs, len(digests)
 
     def _memo_key(self, tokens, namespace, extra_keys) -> tuple:
         """(token array, namespace, checked extra keys, memo key); the ids' sign is not checked yet."""
@@ -76,8 +98,13 @@ class PromptKeys:
     def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:
         """Whether ``chunk_refs`` of this prompt would come from the lookup memo (no hashing). Raises
         InputError as ``chunk_refs``."""
-        arr, _, _, memo_key = self._memo_key(tokens, namespace, extra_keys)
-        if self.memo.get(memo_key) is not None:
-            return True
-        check_token_ids(arr)
-        return False
+        return self._recall(tokens, namespace, extra_keys)[4] is not None
+
+    def _recall(self, tokens, namespace, extra_keys) -> tuple:
+        """``_memo_key``'s (token array, namespace, checked extra keys, memo key) and the memoised refs, or None
+        after the ids' sign was checked (a memoised prompt's ids were checked when it was memoised)."""
+        arr, ns, extra, memo_key = self._memo_key(tokens, namespace, extra_keys)
+        refs = self.memo.get(memo_key)
+        if refs is None:
+            check_token_ids(arr)
+        return arr, ns, extra, memo_key, refs

@@ -62,10 +62,20 @@ class LookupProber:
     def answer(self, identity: bytes, session, msg: P.Lookup) -> P.LookupReply | None:
         """The reply to ``msg`` now, or None when a probe was started (then ``reply`` answers it later). The prompt
         is resolved once (``chunk_refs``, memoised), L1 and the indexes are asked once; the answer is counted in
-        the lookup metrics. Raises InputError on bad input."""
+        the lookup metrics. Without probes, a prompt not in the memo is first asked about by its first chunk
+        alone (``head_refs``): when no tier holds it, the answer is 0 and the rest of the prompt is never hashed
+        (a new prompt's lookup costs one chunk's hashing, not the whole prompt's). Raises InputError on bad
+        input."""
         cache = session.cache
-        arr, refs = session.chunk_refs(msg)
-        hits = cache.tier_hits(refs, msg.start, probe=not self.enabled)  # validates start
+        hits = None
+        if not self.enabled and msg.start < cache.chunk_size:  # a new prompt: its first chunk is asked about first
+            arr, refs, whole = session.head_refs(msg)
+            hits = cache.tier_hits(refs, msg.start)  # validates start
+            if hits.num_tokens and not whole:  # held: every chunk is needed
+                hits = None
+        if hits is None:
+            arr, refs = session.chunk_refs(msg)
+            hits = cache.tier_hits(refs, msg.start, probe=not self.enabled)  # validates start
         rest = [r.key for r in refs[msg.start // cache.chunk_size:] if r.end > hits.num_tokens] if self.enabled else ()
         if rest:  # not held, over an L2 whose index may lag
             if self._probe(identity, session, msg, rest[:PROBE_NAMES]):

@@ -34,6 +34,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.metrics import Metrics
 from kvtier.proc import host_id, pid_start_time
+from kvtier.server.collector import IdleCollector
 from kvtier.server.dataops import DataOps
 from kvtier.server.flushes import Flushes
 from kvtier.server.lookup import LookupProber
@@ -127,6 +128,7 @@ class KVTierServer:
                           P.Flush: self.flushes.on_flush, P.Lookup: self.data.lookup, P.StoreBegin: self.data.store_begin,
                           P.StoreCommit: self.data.store_commit, P.RetrieveBegin: self.data.retrieve_begin,
                           P.RetrieveEnd: self.data.retrieve_end, P.Prefetch: self.data.prefetch}
+        self.collector = IdleCollector()
         self.metrics.set("kvtier_connected_clients", 0)
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -139,27 +141,33 @@ class KVTierServer:
         poller = zmq.Poller()
         for readable in (self.sock, promoted, hashed):
             poller.register(readable, zmq.POLLIN)
-        srv = self.config.server
-        tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
-        while not self.stopping.is_set():
-            self.heartbeat = time.monotonic()
-            # woken at a deferred request's deadline; not waiting at all while requests wait for their turn
-            ready = dict(poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)))
-            # only what is readable: an empty pipe or socket read costs an exception, several per request
-            alone = self._receive() if self.sock in ready else None
-            if promoted in ready:
-                self.data.answer_promotions(self.promoter.take_ready())
-            if hashed in ready:
-                self._answer_hashed(self.prehash.take_ready())
-            if alone is not None:  # a round of one request
-                self._dispatch(alone)
-            for frames in self.turns.next_round():  # then the socket is read again: a new request waits one round
-                self._dispatch(frames)
-            if self.promoter.waiting:  # deferred replies past their deadline
-                self.data.answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
-            if self.prehash.waiting:
-                self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
-            self._expire()
+        self.collector.start()
+        try:
+            srv = self.config.server
+            tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
+            while not self.stopping.is_set():
+                self.heartbeat = time.monotonic()
+                # woken at a deferred request's deadline; not waiting at all while requests wait for their turn
+                ready = dict(poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)))
+                # only what is readable: an empty pipe or socket read costs an exception, several per request
+                alone = self._receive() if self.sock in ready else None
+                if promoted in ready:
+                    self.data.answer_promotions(self.promoter.take_ready())
+                if hashed in ready:
+                    self._answer_hashed(self.prehash.take_ready())
+                if alone is not None:  # a round of one request
+                    self._dispatch(alone)
+                for frames in self.turns.next_round():  # then the socket is read again: a new request waits one round
+                    self._dispatch(frames)
+                if self.promoter.waiting:  # deferred replies past their deadline
+                    self.data.answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
+                if self.prehash.waiting:
+                    self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
+                self._expire()
+                if not self.turns and not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # nobody waits for a reply
+                    self.collector.between_requests()
+        finally:
+            self.collector.stop()
         with self.lock:
             self.data.abort_all()
 

@@ -174,13 +174,16 @@ def test_many_connections_of_one_principal_get_one_turn_per_round(tmp_path):
     secrets = tmp_path / "secrets.yaml"
     bad = tenant_file(tmp_path, secrets, "hostile")
     with ServerProc(tmp_path, l1="1MB", extra=("--auth-secret-file", str(secrets))) as server:
+        head = tokens_of(999)
+        with Client(server.url, model="m", layout=LAYOUT, secret_file=bad) as client:
+            assert client.store(head, kv_for(head, 1)) == 1
         hostile = [Raw(server.url, secret_file=bad) for _ in range(32)]
         honest = Raw(server.url, secret_file=secrets)
         poller = zmq.Poller()
         for i, conn in enumerate(hostile):
             poller.register(conn.sock, zmq.POLLIN)
-            for j in range(8):  # new 4,000-token prompts: each costs the request thread its hashing
-                conn.send(P.Lookup(id=0, tokens=P.pack_tokens(tokens_of(1000 + 8 * i + j, 250))))
+            for j in range(8):  # new 4,000-token prompts whose first chunk is held: each costs all its hashing
+                conn.send(P.Lookup(id=0, tokens=P.pack_tokens(head + tokens_of(1000 + 8 * i + j, 249))))
         poller.register(honest.sock, zmq.POLLIN)
         answered, sent, after = 0, False, 0
         while True:
