@@ -27,6 +27,7 @@ def test_nothing_is_collected_before_half_the_young_threshold(thresholds):
     keep = allocate(100)
     assert collector.between_requests() is None
     keep += allocate(600)
+    assert collector.between_requests(lambda: True) is None  # a request waits: not now
     assert collector.between_requests() == 0
     assert gc.get_count()[0] < 100
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 FULL_MIN_INTERVAL_SECONDS = 1.0  # full collections started here: at most one a second (each walks the whole heap)
 
@@ -34,13 +35,14 @@ class IdleCollector:
         """Freeze what exists now (``gc.freeze``): objects made while starting are never walked again."""
         gc.freeze()
 
-    def between_requests(self) -> int | None:
+    def between_requests(self, waiting: Callable[[], bool] = lambda: False) -> int | None:
         """Collect the generation the automatic collector would take next, when at least half of the young
-        generation's threshold was allocated since the last collection; returns that generation (None: nothing
-        collected). Nothing while the collector is off (``gc.disable``: the program's choice)."""
+        generation's threshold was allocated since the last collection and ``waiting()`` (asked only then: a
+        request arrived meanwhile) is False; returns that generation (None: nothing collected). Nothing while
+        the collector is off (``gc.disable``: the program's choice)."""
         t0, t1, t2 = self.thresholds
         c0, c1, c2 = gc.get_count()
-        if not gc.isenabled() or t0 <= 0 or c0 < t0 // 2:
+        if not gc.isenabled() or t0 <= 0 or c0 < t0 // 2 or waiting():
             return None
         generation = 0
         if c1 + 1 >= t1:  # the next young collection would take the middle generation too

@@ -141,6 +141,9 @@ class KVTierServer:
         poller = zmq.Poller()
         for readable in (self.sock, promoted, hashed):
             poller.register(readable, zmq.POLLIN)
+
+        def waiting() -> bool:  # a request received since the poll, not read yet
+            return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         self.collector.start()
         try:
             srv = self.config.server
@@ -164,8 +167,8 @@ class KVTierServer:
                 if self.prehash.waiting:
                     self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
                 self._expire()
-                if not self.turns and not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # nobody waits for a reply
-                    self.collector.between_requests()
+                if not self.turns:  # and, asked only when a collection is due, nothing more was received
+                    self.collector.between_requests(waiting)
         finally:
             self.collector.stop()
         with self.lock:
