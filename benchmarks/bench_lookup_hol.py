@@ -35,7 +35,10 @@ Transport floor (same run, each mode): the same client processes at the same pac
 bare pyzmq ROUTER loop in Python that answers each with the encoded ``LookupReply`` kvtier sends (no kvtier);
 the client decodes it. Both sockets use CurveZMQ as the kvtier servers do (``--no-auth``: neither). So the floor
 is what this request/reply costs on this machine in Python, and the kvtier figure over it is the kvtier client's
-bookkeeping plus the server's work (``--no-floor`` skips it).
+bookkeeping plus the server's work (``--no-floor`` skips it). ``--loaded-floor`` measures it once more while the L2
+process drives a kvtier server of its own: the L2 traffic then shares the machine's cores with the floor's round
+trips but not the lookups' server, so kvtier over that floor is what the lookups' server adds, and the loaded floor
+over the plain one is what a small machine's cores add.
 
 Run: ``.venv/bin/python benchmarks/bench_lookup_hol.py`` (defaults: 8 clients, 0.1 s, 20 s per server, both modes).
 """
@@ -228,8 +231,20 @@ def echo_loop(url: str, keys: dict | None, pool: list[list[int]], duration: floa
     out.put(lat)
 
 
-def floor(rate: float, args, pool) -> dict:
-    """The transport floor: p50 / p99 of bare pyzmq round trips of the same requests (module docstring)."""
+def floor(rate: float, args, pool, work: str | None = None) -> dict:
+    """The transport floor: p50 / p99 of bare pyzmq round trips of the same requests (module docstring). With
+    ``work`` (``--loaded-floor``), the L2 process meanwhile drives a kvtier server of its own (no delay), so the
+    floor's round trips share the machine with the same L2 traffic as the measured lookups."""
+    if work is None:
+        return _floor(rate, args, pool, None)
+    loaded, inner = start_filled(work, 0.0, args, pool)
+    try:
+        return _floor(rate, args, pool, loaded)
+    finally:
+        stop_filled(loaded, inner, args)
+
+
+def _floor(rate: float, args, pool, loaded: ServerProcess | None) -> dict:
     ctx = mp.get_context("spawn")
     with socket.socket() as probe:  # a free loopback TCP port, as the kvtier server's
         probe.bind(("127.0.0.1", 0))
@@ -241,10 +256,16 @@ def floor(rate: float, args, pool) -> dict:
     procs = [ctx.Process(target=echo_loop, args=(url, keys, pool, args.duration, rate, args.interval_seconds, i, start,
                                                  out))
              for i in range(args.clients)]
-    procs.append(ctx.Process(target=start.wait))  # the L2 process's place in the barrier
+    l2_out = ctx.Queue()
+    if loaded is None:
+        procs.append(ctx.Process(target=start.wait))  # the L2 process's place in the barrier
+    else:
+        procs.append(ctx.Process(target=l2_loop, args=(loaded.url, pool, args.duration, rate, 99, start, l2_out)))
     for p in procs:
         p.start()
     lat = np.array([x for _ in range(args.clients) for x in out.get(timeout=args.duration + 300)])
+    if loaded is not None:
+        l2_out.get(timeout=args.duration + 300)
     stop.set()
     for p in [*procs, server]:
         p.join(60)
@@ -252,18 +273,40 @@ def floor(rate: float, args, pool) -> dict:
             "p99_milliseconds": float(np.percentile(lat, 99) * 1e3)}
 
 
-def measure(work: str, delay_seconds: float, rate: float, args, pool) -> dict:
+def start_filled(work: str, delay_seconds: float, args, pool) -> tuple[ServerProcess, dict | None]:
+    """A server (``start_server``) holding every prompt of ``pool`` in L2 and the most recent quarter in L1; returns
+    it and its wrapped adapter's spec (a Redis one under a fresh prefix, for ``stop_filled``; None: local disk)."""
     chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
     l1_bytes = max(len(pool) * args.chunks * chunk_bytes // 4, 4 * args.chunks * chunk_bytes)
-    prefix = f"bench-hol-{uuid.uuid4().hex}/"
-    inner = {"type": "redis", "url": args.redis_url, "prefix": prefix} if args.l2 == "redis" else None
+    inner = {"type": "redis", "url": args.redis_url, "prefix": f"bench-hol-{uuid.uuid4().hex}/"} \
+        if args.l2 == "redis" else None
     server = start_server(work, delay_seconds, l1_bytes, inner, auth=not args.no_auth)
-    url = server.url
     try:
-        with Client(url, model=MODEL, layout=LAYOUT, timeout_seconds=60) as setup:
+        with Client(server.url, model=MODEL, layout=LAYOUT, timeout_seconds=60) as setup:
             for tokens in pool:  # every prompt in L2 (one at a time: a full write queue drops writes)
                 setup.store(tokens, kv_for(tokens))  # L1 keeps the most recent quarter
                 assert setup.flush(300), "L2 writes did not finish"
+    except BaseException:
+        stop_filled(server, inner, args)
+        raise
+    return server, inner
+
+
+def stop_filled(server: ServerProcess, inner: dict | None, args) -> None:
+    """Stop a ``start_filled`` server and delete what it wrote to Redis."""
+    server.stop(60)
+    if inner is not None:
+        import redis
+
+        with redis.Redis.from_url(args.redis_url) as r:
+            for key in r.scan_iter(match=inner["prefix"] + "*", count=1000):
+                r.delete(key)
+
+
+def measure(work: str, delay_seconds: float, rate: float, args, pool) -> dict:
+    server, inner = start_filled(work, delay_seconds, args, pool)
+    url = server.url
+    try:
         ctx = mp.get_context("spawn")
         out, l2_out, start = ctx.Queue(), ctx.Queue(), ctx.Barrier(args.clients + 1)
         promoted_before = counter(server, "kvtier_l2_promoted_chunks_total")
@@ -281,13 +324,7 @@ def measure(work: str, delay_seconds: float, rate: float, args, pool) -> dict:
         promoted = counter(server, "kvtier_l2_promoted_chunks_total") - promoted_before
         probes = counter(server, "kvtier_lookup_probes_total")
     finally:
-        server.stop(60)
-        if inner is not None:
-            import redis
-
-            with redis.Redis.from_url(args.redis_url) as r:
-                for key in r.scan_iter(match=prefix + "*", count=1000):
-                    r.delete(key)
+        stop_filled(server, inner, args)
     lat = np.array([x for r in results for kind in ("hit", "miss") for x in r[0][kind]])
     hit_lat = np.array([x for r in results for x in r[0]["hit"]])
     miss_lat = np.array([x for r in results for x in r[0]["miss"]] or [0.0])
@@ -317,6 +354,9 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=8, help="chunks of 256 tokens per prompt")
     ap.add_argument("--no-floor", action="store_true", help="skip the transport floor (bare pyzmq round trips)")
     ap.add_argument("--no-auth", action="store_true", help="servers and floor without CurveZMQ (default: both with it)")
+    ap.add_argument("--loaded-floor", action="store_true",
+                    help="also measure the floor while the L2 process drives a kvtier server of its own: the share of "
+                         "the figure that is the machine's, not the lookups' server's")
     ap.add_argument("--no-l2-load", action="store_true",
                     help="no retrieves and stores meanwhile: the lookups alone, as the floor's clients")
     args = ap.parse_args()
@@ -324,12 +364,13 @@ def main() -> None:
     if set(modes) - {"paced", "saturated"} or args.rate_per_client <= 0:
         ap.error("--modes takes paced and/or saturated; --rate-per-client must be positive")
     pool = prompts(args.prompts, args.chunks)
-    results, floors = {}, {}
+    results, floors, loaded_floors = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="kvtier-hol-") as work:
         for mode in modes:
             rate = args.rate_per_client if mode == "paced" else 0.0
             results[mode] = [measure(work, 0.0, rate, args, pool), measure(work, args.delay_seconds, rate, args, pool)]
             floors[mode] = None if args.no_floor else floor(rate, args, pool)
+            loaded_floors[mode] = floor(rate, args, pool, work) if args.loaded_floor and not args.no_l2_load else None
     for mode, rows in results.items():
         offered = (f"Poisson {args.rate_per_client:g}/s per client" if mode == "paced"
                    else f"back to back, {args.interval_seconds:g} s apart")
@@ -354,6 +395,12 @@ def main() -> None:
                   f"{base['p99_milliseconds'] / f['p99_milliseconds']:.2f}x (no delay), "
                   f"{slow['p99_milliseconds'] / f['p99_milliseconds']:.2f}x (slow adapter); p50: "
                   f"{base['p50_milliseconds'] / f['p50_milliseconds']:.2f}x, {slow['p50_milliseconds'] / f['p50_milliseconds']:.2f}x")
+        if loaded_floors[mode]:
+            f = loaded_floors[mode]
+            print(f"{mode}: transport floor under the same L2 traffic (driving a kvtier server of its own meanwhile, "
+                  f"{f['lookups']} round trips): p50 {f['p50_milliseconds']:.3f} ms, p99 {f['p99_milliseconds']:.3f} ms; "
+                  f"kvtier p99 / loaded floor p99: {base['p99_milliseconds'] / f['p99_milliseconds']:.2f}x (no delay), "
+                  f"{slow['p99_milliseconds'] / f['p99_milliseconds']:.2f}x (slow adapter)")
 
 
 if __name__ == "__main__":

@@ -300,3 +300,24 @@ def test_lookups_are_counted_by_medium_from_start(tmp_path):
     with pytest.raises(KeyError, match="medium"):  # counted together under one lock, checked all the same
         m.inc_many((("kvtier_lookup_hit_tokens_total", 1, ()),))
     cache.close()
+
+
+def test_l2_writes_go_on_while_a_request_loop_never_waits(tmp_path):
+    """A saturated server's loop is always busy: the writer and the disk's write threads wait at most
+    kvtier.foreground.MAX_WAIT_SECONDS per item, and every write still lands."""
+    from kvtier.foreground import FOREGROUND
+
+    cache = make_cache(tmp_path)
+    prompts = [list(range(1000 * i, 1000 * i + 4 * CHUNK)) for i in range(3)]
+    FOREGROUND.busy()
+    try:
+        for i, tokens in enumerate(prompts):
+            assert cache.store(tokens, kv_for(tokens, seed=i)) == 4
+        assert cache.flush()
+    finally:
+        FOREGROUND.idle()
+    cache.clear("CPU")
+    for i, tokens in enumerate(prompts):
+        out, n = cache.retrieve(tokens)  # promoted from the disk: every chunk was written
+        assert n == 4 * CHUNK and torch.equal(out, kv_for(tokens, seed=i))
+    cache.close()

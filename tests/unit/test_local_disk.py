@@ -7,12 +7,14 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError, InputError, StorageError
+from kvtier.foreground import BACKGROUND_NICENESS
 from kvtier.hashing import prefix_hashes
 from kvtier.keys import ChunkKey
 from kvtier.l2 import create_adapter
@@ -253,6 +255,25 @@ def test_parallel_batch_round_trip(tmp_path):
     names = [r[0].name() for r in reversed(recs)]
     for buf, (key, tokens, _, payload) in zip(adapter.get(names), reversed(recs)):
         check(buf, key, tokens, payload)
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread priority here")
+def test_parallel_writes_run_at_a_lower_priority_than_reads(tmp_path, monkeypatch):
+    adapter = disk(tmp_path, num_threads=2)
+    seen = {"put": set(), "get": set()}
+
+    def priority():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    put_one, get_one = adapter._put_one, adapter._get_one
+    monkeypatch.setattr(adapter, "_put_one", lambda *a: (seen["put"].add(priority()), put_one(*a))[1])
+    monkeypatch.setattr(adapter, "_get_one", lambda *a: (seen["get"].add(priority()), get_one(*a))[1])
+    recs = [record(i) for i in range(4)]
+    assert adapter.put([(k.name(), parts) for k, _, parts, _ in recs]) == [True] * 4
+    assert all(buf is not None for buf in adapter.get([k.name() for k, *_ in recs]))
+    mine = priority()
+    assert seen["get"] == {mine}  # a retrieve waits for reads: they keep the caller's priority
+    assert seen["put"] == {min(19, mine + BACKGROUND_NICENESS)}  # writes yield the cores to requests
 
 
 def test_directory_removed_under_the_adapter_is_a_storage_error(tmp_path):

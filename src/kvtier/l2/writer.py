@@ -7,7 +7,9 @@ and raw bytes, compression ratio) and its leading run is announced (BlockStored,
 whose payload changed after it was committed is never written.
 
 Threads: the writer (``kvtier-l2-writer``) and, with a record key or a codec, two encoders
-(``kvtier-l2-encode``); all daemons, so a hung adapter never keeps the process alive. A clear
+(``kvtier-l2-encode``); all daemons, so a hung adapter never keeps the process alive. Writes are never urgent:
+these threads run at a lower OS priority and start each item when a server's request thread is idle
+(``kvtier.foreground``). A clear
 (``clear_async``) runs in the writer, after the writes queued before it; while one is pending, ``clearing``
 is non-zero (the tier's lookups answer 0 meanwhile: nothing about to be deleted is announced as a hit).
 
@@ -29,6 +31,7 @@ import xxhash
 
 from kvtier.codecs.policy import CodecPolicy
 from kvtier.errors import KVTierError
+from kvtier.foreground import FOREGROUND, background_thread
 from kvtier.keys import ChunkKey
 from kvtier.l2.base import L2Adapter
 from kvtier.l2.index import L2Index
@@ -179,6 +182,7 @@ class L2Writer:
         return out
 
     def _writer(self) -> None:
+        background_thread()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -186,6 +190,7 @@ class L2Writer:
                 if not self._queue:
                     return
                 batch = self._queue.popleft()
+            FOREGROUND.wait_idle()  # a server's request thread first: this thread's Python would hold the GIL
             if isinstance(batch, ClearJob):
                 self._run_clear(batch)
                 continue
@@ -216,6 +221,7 @@ class L2Writer:
         codecs = self.codecs.distinct()
 
         def encode(item: WriteItem):
+            FOREGROUND.wait_idle()
             if item.checksum is not None and xxhash.xxh3_64_intdigest(item.payload) != item.checksum:
                 return item.key.name(), None  # changed since it was committed: never written
             return item.key.name(), {codec.spec: self._record(item, codec) for codec in codecs}
@@ -225,7 +231,8 @@ class L2Writer:
             yield [encode(item) for item in items]
             return
         if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvtier-l2-encode")
+            self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvtier-l2-encode",
+                                              initializer=background_thread)
         futures = [self._hasher.submit(encode, item) for item in items]
         i = 0
         while i < len(futures):

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 
+from kvtier import protocol as P
 from kvtier.errors import KVTierError
 from kvtier.hashing import prefix_hashes
 from kvtier.server.hashproc import HashProcess, HashProcessError
@@ -42,11 +43,16 @@ class Prehasher:
         max_jobs: requests parked at once (``server.max_hash_jobs``).
         timeout_seconds: a parked request not hashed by then is refused (``server.promote_timeout_seconds``).
         metrics: where ``kvtier_prehashed_requests_total`` counts the parked requests.
+        store_min_tokens: the bound for a ``StoreBegin`` (``server.store_hash_offload_min_tokens``), when lower
+            than ``min_tokens``: a store is on no request's critical path (the engine saves after its forward
+            pass), while its hashing on the request thread delays every lookup that arrives meanwhile.
     """
 
-    def __init__(self, min_tokens: int, max_jobs: int, timeout_seconds: float, metrics):
+    def __init__(self, min_tokens: int, max_jobs: int, timeout_seconds: float, metrics,
+                 store_min_tokens: int | None = None):
         self.metrics = metrics
         self.min_tokens = min_tokens
+        self.store_min_tokens = min(min_tokens, store_min_tokens or min_tokens)
         self.max_jobs = max_jobs
         self.timeout_seconds = timeout_seconds
         self._queues: OrderedDict[str, deque[Job]] = OrderedDict()  # principal -> parked jobs, rotated
@@ -67,7 +73,8 @@ class Prehasher:
         """Park ``msg`` (a request with ``tokens``) when its prompt is long and not memoised: True (the caller
         answers later, from ``take_ready``), False (handle it now), or a refusal message (too many parked)."""
         tokens = getattr(msg, "tokens", None)
-        if tokens is None or len(tokens) // 8 < self.min_tokens:
+        if tokens is None or len(tokens) // 8 < (self.store_min_tokens if isinstance(msg, P.StoreBegin) else
+                                                 self.min_tokens):
             return False
         try:
             if session.cache.memoised(*session.prompt(msg), extra_keys=msg.extra_keys):

@@ -3,7 +3,8 @@
 Life of a promotion::
 
     request loop: submit(job, fn)   (False: max_promotions in flight, answer from L1 now)
-    worker:       fn()              (L2 reads and L1 copies; never touches the socket or the server lock)
+    worker:       fn()              (L2 reads and L1 copies; never touches the socket or the server lock; started
+                                     when the request thread is idle, or 5 ms later: kvtier.foreground)
                   -> ready queue + one byte on a pipe the loop polls
     request loop: take_ready()      (finished jobs not yet answered) or take_expired(now) (past the
                   deadline: answered from L1 alone, counted in kvtier_l2_promote_timeouts_total)
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.foreground import FOREGROUND
 from kvtier.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -143,6 +145,7 @@ class Promoter:
             job, fn = item
             try:
                 if not job.answered and time.monotonic() < job.deadline:  # else nobody waits for it
+                    FOREGROUND.wait_idle()  # the request thread first (a lookup is shorter than a promotion)
                     job.result = fn()
             except Exception:  # noqa: BLE001 -- a bug in a promotion is a miss, never a dead worker
                 log.exception("promotion failed")

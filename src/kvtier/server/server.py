@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
@@ -32,6 +31,7 @@ from kvtier import protocol as P
 from kvtier.cache import KVCache, Tiers
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.foreground import FOREGROUND
 from kvtier.metrics import Metrics
 from kvtier.proc import host_id, pid_start_time
 from kvtier.server.collector import IdleCollector
@@ -60,7 +60,6 @@ from kvtier.shm import hold_lock, reap_stale_shm
 
 log = logging.getLogger(__name__)
 MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
-SWITCH_INTERVAL_SECONDS = 0.0005
 IDLE_SCAN_SECONDS = 1.0  # idle sessions are looked for this often (each scan visits every session)
 
 
@@ -116,7 +115,7 @@ class KVTierServer:
         self.turns = Turns(srv.max_inflight_requests_per_principal if srv.client_limits else MAX_QUEUED)
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
         self.prehash = Prehasher(srv.hash_offload_min_tokens, srv.max_hash_jobs, srv.promote_timeout_seconds,
-                                  self.metrics)
+                                  self.metrics, store_min_tokens=srv.store_hash_offload_min_tokens)
         self.lookups = LookupProber(self.tiers, self.promoter, srv.lookup_probe_timeout_seconds, self.metrics)
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
         self.principals = Principals(self.limits)
@@ -134,9 +133,6 @@ class KVTierServer:
     # ---- loop ----------------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Answer requests until ``stop()``; then abort outstanding leases. Call ``close()`` afterwards."""
-        # the request thread wakes from poll needing the GIL: a busy helper thread (promotion, writer, admin)
-        # would keep it for up to the 5 ms default switch interval, a lookup takes ~0.1 ms
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_SECONDS))
         promoted, hashed = self.promoter.fileno(), self.prehash.fileno()
         poller = zmq.Poller()
         for readable in (self.sock, promoted, hashed):
@@ -145,13 +141,15 @@ class KVTierServer:
         def waiting() -> bool:  # a request received since the poll, not read yet
             return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         self.collector.start()
+        FOREGROUND.loop_started()  # background threads start their items while this loop waits for input
         try:
             srv = self.config.server
             tick_milliseconds = int(min(200, max(10, min(srv.lease_seconds, srv.promote_timeout_seconds) * 250)))
             while not self.stopping.is_set():
                 self.heartbeat = time.monotonic()
                 # woken at a deferred request's deadline; not waiting at all while requests wait for their turn
-                ready = dict(poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)))
+                with FOREGROUND.waiting(not self.turns):
+                    ready = dict(poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)))
                 # only what is readable: an empty pipe or socket read costs an exception, several per request
                 alone = self._receive() if self.sock in ready else None
                 if promoted in ready:
@@ -170,6 +168,7 @@ class KVTierServer:
                 if not self.turns:  # and, asked only when a collection is due, nothing more was received
                     self.collector.between_requests(waiting)
         finally:
+            FOREGROUND.idle()
             self.collector.stop()
         with self.lock:
             self.data.abort_all()

@@ -14,7 +14,7 @@ from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, kvtier_cmd
 from kvtier.cli import cli
 from kvtier.client import Client
 from kvtier.hints import RetentionHint
-from kvtier.models import SMOLLM2_DIRNAME, model_cache_dir
+from kvtier.models import SMOLLM2, converted_model_dir
 
 TOKEN = "cli-token"
 TEXT = "The management API shows which tier holds each chunk of a prompt. " * 8
@@ -23,7 +23,7 @@ TEXT = "The management API shows which tier holds each chunk of a prompt. " * 8
 def test_cache_commands_end_to_end(tmp_path):
     from transformers import AutoTokenizer
 
-    folder = str(model_cache_dir() / SMOLLM2_DIRNAME)
+    folder = str(converted_model_dir(SMOLLM2))  # converted here when no earlier test did
     tokens = AutoTokenizer.from_pretrained(folder, local_files_only=True).encode(TEXT)
     num_chunks = len(tokens) // CHUNK
     assert num_chunks >= 2

@@ -168,6 +168,25 @@ def test_long_prompts_are_hashed_off_the_request_thread_and_answered_right(tmp_p
         raw.close()
 
 
+def test_a_store_of_a_new_prompt_is_hashed_off_the_request_thread_from_its_own_bound(tmp_path):
+    """A store is on no request's critical path: from ``store_hash_offload_min_tokens`` on (lower than
+    ``hash_offload_min_tokens``) its new prompt is hashed by the worker, while lookups of that length are not."""
+    config = {"server": {"store_hash_offload_min_tokens": 4 * CHUNK}}  # hash_offload_min_tokens stays 4,096
+    with ServerProc(tmp_path, l1="1MB", config=config) as server, Client(server.url, model="m", layout=LAYOUT) as client:
+        def parked() -> float:
+            return metric_value(server.metrics_text(), "kvtier_prehashed_requests_total")
+
+        prompt, short = tokens_of(1, 8), tokens_of(2, 3)
+        assert client.lookup(prompt) == 0 and parked() == 0  # a lookup of 8 chunks: on the request thread
+        kv = kv_for(prompt, 1)
+        assert client.store(prompt, kv) == 8 and parked() == 1  # its store: hashed by the worker, then stored
+        assert client.lookup(prompt) == 8 * CHUNK and client.lookup(prompt[:5 * CHUNK]) == 5 * CHUNK
+        out, n = client.retrieve(prompt)
+        assert n == 8 * CHUNK and torch.equal(out, kv)
+        assert client.store(short, kv_for(short, 2)) == 3 and parked() == 1  # below the bound: not parked
+        assert client.store(prompt, kv) == 0 and parked() == 1  # memoised since: not parked again
+
+
 def test_many_connections_of_one_principal_get_one_turn_per_round(tmp_path):
     """libzmq reads connections in turn, so 32 connections used to buy 32 turns to an engine's one: its lookup
     waited behind one request of each. With turns per principal it waits behind at most one of each principal."""
