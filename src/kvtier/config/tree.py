@@ -139,7 +139,7 @@ class ServerConfig(_Section):
     client_limits: Bool = True
     max_prompt_tokens: int = Field(1 << 20, gt=0)  # tokens in one Lookup / StoreBegin / RetrieveBegin
     hash_offload_min_tokens: int = Field(4096, gt=0)  # longer prompts not memoised are hashed on a worker thread
-    # the same for a StoreBegin: a store is off every request's critical path, so it gives the request thread up sooner
+    # the same for a StoreBegin: it follows a forward pass over those tokens, so the hand-off costs it little
     store_hash_offload_min_tokens: int = Field(1024, gt=0)
     max_hash_jobs: int = Field(256, gt=0)  # requests waiting for that worker; more: Error(limit_exceeded)
     max_reserved_fraction_per_client: float = Field(0.25, gt=0, le=1)  # of L1: open reservations + quarantined slots

@@ -190,10 +190,10 @@ class L2Writer:
                 if not self._queue:
                     return
                 batch = self._queue.popleft()
-            FOREGROUND.wait_idle()  # a server's request thread first: this thread's Python would hold the GIL
-            if isinstance(batch, ClearJob):
+            if isinstance(batch, ClearJob):  # at once: lookups answer 0 while it is pending
                 self._run_clear(batch)
                 continue
+            FOREGROUND.wait_idle()  # a server's request thread first: this thread's Python would hold the GIL
             try:
                 self._write_batch(batch)
             finally:

@@ -44,8 +44,9 @@ class Prehasher:
         timeout_seconds: a parked request not hashed by then is refused (``server.promote_timeout_seconds``).
         metrics: where ``kvtier_prehashed_requests_total`` counts the parked requests.
         store_min_tokens: the bound for a ``StoreBegin`` (``server.store_hash_offload_min_tokens``), when lower
-            than ``min_tokens``: a store is on no request's critical path (the engine saves after its forward
-            pass), while its hashing on the request thread delays every lookup that arrives meanwhile.
+            than ``min_tokens``: a store follows a forward pass over those tokens (milliseconds to seconds), so
+            the hand-off's fraction of a millisecond costs it little, while its hashing on the request thread
+            would delay every lookup that arrives meanwhile.
     """
 
     def __init__(self, min_tokens: int, max_jobs: int, timeout_seconds: float, metrics,

@@ -169,8 +169,8 @@ def test_long_prompts_are_hashed_off_the_request_thread_and_answered_right(tmp_p
 
 
 def test_a_store_of_a_new_prompt_is_hashed_off_the_request_thread_from_its_own_bound(tmp_path):
-    """A store is on no request's critical path: from ``store_hash_offload_min_tokens`` on (lower than
-    ``hash_offload_min_tokens``) its new prompt is hashed by the worker, while lookups of that length are not."""
+    """From ``store_hash_offload_min_tokens`` on (lower than ``hash_offload_min_tokens``) a store's new prompt is
+    hashed by the worker, while a lookup of that length is answered on the request thread."""
     config = {"server": {"store_hash_offload_min_tokens": 4 * CHUNK}}  # hash_offload_min_tokens stays 4,096
     with ServerProc(tmp_path, l1="1MB", config=config) as server, Client(server.url, model="m", layout=LAYOUT) as client:
         def parked() -> float:

@@ -111,7 +111,9 @@ def test_flush_and_clear_by_medium(tmp_path):
         assert client.lookup(tokens) == 3 * CHUNK
         out, n = client.retrieve(tokens)  # promoted back from L2
         assert n == 3 * CHUNK and torch.equal(out, kv)
-        assert client.clear("STORAGE") == 0 and server.status()["l2"][0]["num_records"] == 0
+        assert client.clear("STORAGE") == 0 and client.lookup(tokens) == 3 * CHUNK  # L1 keeps the promoted copy
+        assert client.flush(30.0) is True  # the L2 clear is queued (Client.clear): flush waits for it
+        assert server.status()["l2"][0]["num_records"] == 0
         assert client.clear() == 3 and client.lookup(tokens) == 0
         from kvtier.errors import InputError
         with pytest.raises(InputError, match="medium"):
