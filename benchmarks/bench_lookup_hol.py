@@ -57,6 +57,8 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import redis
+import zmq
 
 from harness.kvtier_server import ServerProcess
 from harness.metrics import metric_sum
@@ -163,8 +165,6 @@ def curve_keys(auth: bool) -> dict | None:
     """CurveZMQ key pairs for the floor's server and clients (None: no CurveZMQ, as with ``--no-auth``)."""
     if not auth:
         return None
-    import zmq
-
     (server_public, server_secret), (client_public, client_secret) = zmq.curve_keypair(), zmq.curve_keypair()
     return {"server_public": server_public, "server_secret": server_secret, "client_public": client_public,
             "client_secret": client_secret}
@@ -175,8 +175,6 @@ FLOOR_REPLY = P.encode(P.LookupReply(id=1, num_tokens=CHUNK * 8, num_l1_tokens=C
 
 def echo_server(url: str, stop, keys: dict | None = None, reply: bytes = FLOOR_REPLY) -> None:
     """The floor's server: a bare pyzmq ROUTER answering every request with ``reply`` until ``stop`` is set."""
-    import zmq
-
     ctx = Context()
     sock = ctx.socket(zmq.ROUTER)
     if keys:
@@ -196,8 +194,6 @@ def echo_server(url: str, stop, keys: dict | None = None, reply: bytes = FLOOR_R
 
 def floor_socket(ctx, url: str, keys: dict | None):
     """A DEALER to the floor's server (CurveZMQ with ``keys``)."""
-    import zmq
-
     sock = ctx.socket(zmq.DEALER)
     if keys:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
@@ -249,14 +245,13 @@ def _floor(rate: float, args, pool, loaded: ServerProcess | None) -> dict:
     with socket.socket() as probe:  # a free loopback TCP port, as the kvtier server's
         probe.bind(("127.0.0.1", 0))
         url = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-    stop, out, start = ctx.Event(), ctx.Queue(), ctx.Barrier(args.clients + 1)
+    stop, out, l2_out, start = ctx.Event(), ctx.Queue(), ctx.Queue(), ctx.Barrier(args.clients + 1)
     keys = curve_keys(not args.no_auth)
     server = ctx.Process(target=echo_server, args=(url, stop, keys))
     server.start()
     procs = [ctx.Process(target=echo_loop, args=(url, keys, pool, args.duration, rate, args.interval_seconds, i, start,
                                                  out))
              for i in range(args.clients)]
-    l2_out = ctx.Queue()
     if loaded is None:
         procs.append(ctx.Process(target=start.wait))  # the L2 process's place in the barrier
     else:
@@ -296,8 +291,6 @@ def stop_filled(server: ServerProcess, inner: dict | None, args) -> None:
     """Stop a ``start_filled`` server and delete what it wrote to Redis."""
     server.stop(60)
     if inner is not None:
-        import redis
-
         with redis.Redis.from_url(args.redis_url) as r:
             for key in r.scan_iter(match=inner["prefix"] + "*", count=1000):
                 r.delete(key)
