@@ -31,7 +31,7 @@ MAX_WAIT_SECONDS = 0.005  # the longest a background item waits for a busy reque
 # in a process with a request loop: a busy background thread keeps the GIL this long at most when the request
 # thread wakes needing it (the default, 5 ms, is fifty lookups)
 SWITCH_INTERVAL_SECONDS = 0.0005
-BACKGROUND_NICENESS = 10  # added to a background thread's nice (as server/hashproc.py's child)
+BACKGROUND_NICENESS = 10  # added to a background thread's nice, and to server/hashproc.py's child's
 
 
 def background_thread() -> None:

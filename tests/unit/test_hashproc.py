@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.errors import InputError
 from kvtier.extra_keys import check_extra_keys, refreeze_extra_keys
+from kvtier.foreground import BACKGROUND_NICENESS
 from kvtier.hashing import prefix_hashes
 from kvtier.server import hashproc
 from kvtier.server.hashproc import HashProcess, HashProcessError
@@ -62,7 +63,7 @@ def test_bad_input_is_the_in_process_error(proc):
 def test_runs_at_a_lower_priority_and_stops_on_close(proc):
     proc.prefix_hashes(np.arange(32), 16, "sha256", "s")
     child = proc._proc
-    assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + hashproc.HASH_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICENESS)
     proc.close()
     assert child.poll() is not None
 

@@ -193,7 +193,6 @@ class L2Writer:
             if isinstance(batch, ClearJob):  # at once: lookups answer 0 while it is pending
                 self._run_clear(batch)
                 continue
-            FOREGROUND.wait_idle()  # a server's request thread first: this thread's Python would hold the GIL
             try:
                 self._write_batch(batch)
             finally:
@@ -220,7 +219,7 @@ class L2Writer:
         is what is ready, so encoding overlaps writing."""
         codecs = self.codecs.distinct()
 
-        def encode(item: WriteItem):
+        def encode(item: WriteItem):  # each item starts while a server's request thread waits (its GIL first)
             FOREGROUND.wait_idle()
             if item.checksum is not None and xxhash.xxh3_64_intdigest(item.payload) != item.checksum:
                 return item.key.name(), None  # changed since it was committed: never written

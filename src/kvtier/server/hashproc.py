@@ -3,7 +3,8 @@
 The hashing worker (``server/prehash.py``) hands every long prompt's block hashing (``hashing.prefix_hashes``)
 to this process. Hashed on a thread of the server, a stream of long prompts held the GIL most of the time and
 every short request waited for it; here the server's worker thread only waits on a pipe, and the child runs at
-``HASH_NICENESS``, so the kernel runs the request thread first whenever both want a core.
+nice ``BACKGROUND_NICENESS`` (``kvtier.foreground``, as the L2 writes), so the kernel runs the request thread
+first whenever both want a core.
 
 Wire format (stdin / stdout of the child, nothing pickled): each message is a 4-byte little-endian length and a
 msgspec MessagePack body: ``HashJob`` to the child, ``HashDone`` or ``HashFailed`` back, one reply per job, in
@@ -33,10 +34,10 @@ import numpy as np
 
 from kvtier.errors import InputError
 from kvtier.extra_keys import refreeze_extra_keys
+from kvtier.foreground import BACKGROUND_NICENESS
 from kvtier.hashing import prefix_hashes
 
 log = logging.getLogger(__name__)
-HASH_NICENESS = 10
 RESTART_BACKOFF_SECONDS = 5.0
 MAX_FRAME_BYTES = 1 << 30
 _LEN = struct.Struct("<I")
@@ -196,7 +197,7 @@ class HashProcess:
 def main() -> None:
     """The child: answer ``HashJob`` frames on stdin until it closes."""
     try:
-        os.nice(HASH_NICENESS)
+        os.nice(BACKGROUND_NICENESS)
     except OSError:
         pass
     decoder, encoder = msgspec.msgpack.Decoder(HashJob), msgspec.msgpack.Encoder()
