@@ -24,8 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 
 MAX_WAIT_SECONDS = 0.005  # the longest a background item waits for a busy request thread
 # in a process with a request loop: a busy background thread keeps the GIL this long at most when the request
@@ -45,13 +44,17 @@ def background_thread() -> None:
 
 
 class Foreground:
-    """How many request loops are handling input now; background threads wait while any is."""
+    """How many request loops are handling input now; background threads wait while any is.
+
+    The request loop's side costs a lock and a counter per wake-up (``waiting``): the event background threads
+    block on is only set when one of them waits (``wait_idle`` counts itself in and clears it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._busy = 0
-        self._idle = threading.Event()
-        self._idle.set()
+        self._waiters = 0  # threads inside wait_idle
+        self._idle = threading.Event()  # set by the idle() that ends the last busy mark while a thread waits
+        self._waiting = _Waiting(self)
 
     def loop_started(self) -> None:
         """A request loop starts: it is busy (call ``idle`` when it stops for good), and the process's GIL switch
@@ -63,31 +66,49 @@ class Foreground:
         """A request loop starts handling input."""
         with self._lock:
             self._busy += 1
-            self._idle.clear()
 
     def idle(self) -> None:
         """A request loop stops handling input: background threads may run."""
         with self._lock:
             self._busy = max(0, self._busy - 1)
-            if not self._busy:
+            if not self._busy and self._waiters:
                 self._idle.set()
 
-    @contextmanager
-    def waiting(self, idle: bool = True) -> Iterator[None]:
+    def waiting(self, idle: bool = True) -> AbstractContextManager[None]:
         """Around a request loop's wait for input: idle inside, busy again after (also on an exception); with
         ``idle`` False (a poll that does not wait: requests are queued), busy throughout."""
-        if not idle:
-            yield
-            return
-        self.idle()
-        try:
-            yield
-        finally:
-            self.busy()
+        return self._waiting if idle else _BUSY_THROUGHOUT
 
     def wait_idle(self, max_seconds: float = MAX_WAIT_SECONDS) -> bool:
         """Block (without the GIL) until no request loop is busy, at most ``max_seconds``; False on timeout."""
-        return self._idle.wait(max_seconds)
+        with self._lock:
+            if not self._busy:
+                return True
+            self._waiters += 1
+            self._idle.clear()  # a set left from an earlier idle period
+        try:
+            return self._idle.wait(max_seconds)
+        finally:
+            with self._lock:
+                self._waiters -= 1
+
+
+class _Waiting:
+    """``Foreground.waiting``'s context (a class, not a generator: the request loop enters it once per wake-up)."""
+
+    __slots__ = ("_foreground",)
+
+    def __init__(self, foreground: Foreground):
+        self._foreground = foreground
+
+    def __enter__(self) -> None:
+        self._foreground.idle()
+
+    def __exit__(self, *exc) -> None:
+        self._foreground.busy()
+
+
+_BUSY_THROUGHOUT = nullcontext()
 
 
 FOREGROUND = Foreground()

@@ -121,6 +121,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                "server.max_unread_replies_per_client replies unread.", ("reason",)),
 )}
 
+_ARITY = {name: len(spec.labels) for name, spec in METRICS.items()}  # inc_many's check, once per name
+
 
 class Metrics:
     """Exact values of the metrics above. ``inc``/``set``/``observe`` raise KeyError on unknown names or labels."""
@@ -151,11 +153,12 @@ class Metrics:
         str in the order of the metric's labels (``()`` for none). Raises KeyError on an unknown name or a
         wrong number of values."""
         for name, _, key in increments:
-            if len(key) != len(METRICS[name].labels):
+            if len(key) != _ARITY.get(name, -1):
                 raise KeyError(f"metric {name} takes labels {METRICS[name].labels}, got values {key}")
+        values = self._values
         with self._lock:
             for name, amount, key in increments:
-                self._values[name][key] += amount
+                values[name][key] += amount
 
     def set(self, name: str, value: float, **labels) -> None:
         key = self._key(name, labels)

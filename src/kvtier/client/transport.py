@@ -175,7 +175,10 @@ class Transport:
         (None, []) when the server is gone or silent."""
         timeout = self.timeout_seconds if timeout_seconds is None else max(0.0, timeout_seconds)
         try:  # never block: a DEALER with no live peer would wait forever
-            self._sock.send_multipart([P.encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
+            if frames:  # KV frames: not copied
+                self._sock.send_multipart([P.encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
+            else:  # a header alone: copying it costs less than wrapping it in a zmq.Frame
+                self._sock.send(P.encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:
             self._mark_down("send queue full or no connection")
             return None, []

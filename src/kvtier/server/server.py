@@ -212,8 +212,8 @@ class KVTierServer:
     def _send(self, identity: bytes, reply, out=()) -> None:
         if out:  # libzmq releases a message's frames in order: the last one's tracker says all were sent
             out = [*out[:-1], zmq.Frame(out[-1], copy=False, track=True)]
-        try:
-            self.sock.send_multipart([identity, P.encode(reply), *out], flags=zmq.NOBLOCK, copy=False)
+        try:  # small frames alone are copied (cheaper than zmq.Frame objects); KV frames are not
+            self.sock.send_multipart([identity, P.encode(reply), *out], flags=zmq.NOBLOCK, copy=not out)
         except zmq.Again:  # max_unread_replies_per_client replies already wait for this client
             self.metrics.inc("kvtier_replies_dropped_total", reason="unread")
             return
