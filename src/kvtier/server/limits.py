@@ -153,14 +153,11 @@ class ClientLimits:
     def _check(self, usage, attr, label, key, what, fix) -> tuple[str, str] | None:
         if not self.enabled:
             return None
-        u = usage  # the chain walked inline, not through chain(): every request is checked
-        for b in self.levels:
+        for u, b in zip(usage.chain(), self.levels):
             bound = getattr(b, attr)
             if bound is not None and getattr(u, attr) >= bound:
                 return (b.label + label, f"{u.name or b.who} has {getattr(u, attr)} {what}, the bound (server.{key}{b.suffix}); "
                         f"{fix}, or raise that key")
-            if (u := u.parent) is None:
-                return None
         return None
 
     def check_unread(self, usage: ClientUsage, nbytes: int) -> tuple[str, str] | None:
