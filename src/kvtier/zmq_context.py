@@ -11,11 +11,13 @@ on an error path hung pytest this way.
 ``Context`` here terminates a context that is collected while still open on a daemon thread instead: the
 sockets' finalizers run right after, ``term()`` returns, and the thread ends. Every kvtier class that owns a
 context (client, server, event publisher and subscriber) uses it; ``close()`` on those classes still closes
-their sockets and terminates the context at once.
+their sockets and terminates the context at once. A context still open when the interpreter shuts down is left
+to the process's exit: a thread started then never runs, and the finalizer would wait for it forever.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import zmq
@@ -30,7 +32,7 @@ class Context(zmq.Context):
         self.setsockopt(zmq.LINGER, 0)
 
     def __del__(self) -> None:
-        if self._shadow or self.closed:
+        if self._shadow or self.closed or sys.is_finalizing():  # at exit no new thread runs: start() would wait forever
             return
         # resurrected by the thread until term() returns (PEP 442: a finalizer runs once)
         threading.Thread(target=self.term, name="kvtier-zmq-term", daemon=True).start()

@@ -38,3 +38,24 @@ def test_a_collected_kvtier_context_never_blocks_the_collecting_thread():
 def test_a_collected_plain_pyzmq_context_blocks_which_is_why_kvtier_has_its_own():
     with pytest.raises(subprocess.TimeoutExpired):
         _collect("plain", 3)
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import zmq
+    from kvtier.zmq_context import Context
+    class Holder:  # a context left in a cycle until the interpreter shuts down
+        pass
+    h = Holder()
+    h.me, h.ctx = h, Context()
+    h.sock = h.ctx.socket(zmq.DEALER)
+    h.sock.connect("tcp://127.0.0.1:9")
+    del h
+    print("exiting", flush=True)
+""")
+
+
+def test_a_kvtier_context_still_in_a_cycle_at_exit_lets_the_process_exit():
+    """At shutdown the collector finalizes the context, and a thread started then never runs: the finalizer used
+    to wait for it forever (a pytest process hung at its end this way)."""
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout.strip()) == (0, "exiting"), done.stderr
