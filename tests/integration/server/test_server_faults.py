@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -148,6 +149,31 @@ def test_client_survives_server_down_and_restart(tmp_path):
     finally:
         client.close()
         assert server.stop() == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_lookup_waiting_on_a_server_that_dies_is_a_miss_long_before_its_timeout(tmp_path):
+    """The server is killed while a lookup waits for its reply: the client notices the lost connection (it
+    receives in short slices and checks the connection between them) and answers a miss, not after its 600 s
+    ``timeout_seconds`` (a wait for that would fail the test)."""
+    server = ServerProc(tmp_path, shared_memory=False)  # SIGKILLed: no shared L1 left behind
+    client = Client(server.url, model="m", layout=LAYOUT, timeout_seconds=600, retry_after_seconds=0.2)
+    try:
+        tokens = list(range(90, 90 + 2 * CHUNK))
+        assert client.store(tokens, kv_for(tokens, 10)) == 2 and client.lookup(tokens) == 2 * CHUNK
+        os.kill(server.proc.pid, signal.SIGSTOP)  # the next request waits, unread
+        got = []
+        waiting = threading.Thread(target=lambda: got.append(client.lookup(tokens)))
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive() and not got  # no answer from a stopped server
+        os.kill(server.proc.pid, signal.SIGKILL)  # its connections close
+        waiting.join(60)
+        assert not waiting.is_alive() and got == [0]
+        assert client.metrics.value("kvtier_client_unavailable_total") == 1
+    finally:
+        server.stop()
+        client.close()
 
 
 @pytest.mark.timeout(120)
