@@ -14,6 +14,9 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.zmq_context import Context
 
+# plain ints: an operation on pyzmq's flag enums, and a socket option asked by its enum, cost Python calls per use
+NOBLOCK, NOBLOCK_MORE, POLLIN = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.POLLIN)
+
 
 class RequestSocket:
     """The server's listening part: ``port``, ``keyring`` (``kvtier.auth.keyring``; None without auth), ``sock``
@@ -78,3 +81,28 @@ def request_router(ctx, keyring, srv, refused):
     sock.setsockopt(zmq.SNDHWM, srv.max_unread_replies_per_client)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # so a full queue is an error we count, not silence
     return sock, zap
+
+
+def receive(sock) -> list:
+    """The frames (``zmq.Frame``, not copied) of the next message waiting on ``sock``; raises ``zmq.Again`` when none
+    waits. Each frame says whether another follows (``recv_multipart`` asks a socket option per frame)."""
+    frames = [sock.recv(NOBLOCK, copy=False)]
+    while frames[-1].more:  # a message arrives whole: its other frames are there
+        frames.append(sock.recv(NOBLOCK, copy=False))
+    return frames
+
+
+def readable(sock) -> bool:
+    """Whether a message waits on ``sock``: one socket option, no poll."""
+    return bool(sock.getsockopt(zmq.EVENTS) & POLLIN)
+
+
+def send_reply(sock, identity: bytes, header: bytes, out=()) -> None:
+    """Send the reply ``header`` (and its KV frames ``out``, not copied) to the connection ``identity`` of the ROUTER
+    ``sock``, never blocking; raises what ``Socket.send`` raises (``zmq.Again``: that connection's queue is full).
+    A header alone is copied: cheaper than a ``zmq.Frame`` for a few hundred bytes."""
+    if out:
+        sock.send_multipart([identity, header, *out], flags=NOBLOCK, copy=False)
+    else:  # a message's first frame taken means all of it is
+        sock.send(identity, NOBLOCK_MORE)
+        sock.send(header, NOBLOCK)

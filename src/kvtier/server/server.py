@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+from functools import partial
 
 import msgspec
 import zmq
@@ -41,7 +42,7 @@ from kvtier.server.lookup import LookupProber
 from kvtier.server.manage import KnownCaches
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
-from kvtier.server.listen import RequestSocket
+from kvtier.server.listen import RequestSocket, readable, receive, send_reply
 from kvtier.server.limits import ClientLimits, LeaseQuarantine
 from kvtier.server.principals import Principals, principal_of
 from kvtier.server.session import (
@@ -135,11 +136,9 @@ class KVTierServer:
         """Answer requests until ``stop()``; then abort outstanding leases. Call ``close()`` afterwards."""
         promoted, hashed = self.promoter.fileno(), self.prehash.fileno()
         poller = zmq.Poller()
-        for readable in (self.sock, promoted, hashed):
-            poller.register(readable, zmq.POLLIN)
-
-        def waiting() -> bool:  # a request received since the poll, not read yet
-            return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        for source in (self.sock, promoted, hashed):
+            poller.register(source, zmq.POLLIN)
+        waiting = partial(readable, self.sock)  # a request received since the poll, not read yet
         self.collector.start()
         FOREGROUND.loop_started()  # background threads start their items while this loop waits for input
         try:
@@ -184,10 +183,10 @@ class KVTierServer:
         only one waiting (no turn queued, nothing more to read): its round is itself, handled without queueing."""
         while not self.turns.full:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = receive(self.sock)
             except zmq.Again:  # a poll that said readable and found nothing
                 return None
-            more = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN  # no zmq.Again to raise after the last one
+            more = readable(self.sock)  # no zmq.Again to raise after the last one
             if len(frames) >= 2:  # a ROUTER always prepends the identity; else there is nothing to answer
                 if not more and not self.turns:  # what next_round would give at once
                     return frames
@@ -212,8 +211,8 @@ class KVTierServer:
     def _send(self, identity: bytes, reply, out=()) -> None:
         if out:  # libzmq releases a message's frames in order: the last one's tracker says all were sent
             out = [*out[:-1], zmq.Frame(out[-1], copy=False, track=True)]
-        try:  # small frames alone are copied (cheaper than zmq.Frame objects); KV frames are not
-            self.sock.send_multipart([identity, P.encode(reply), *out], flags=zmq.NOBLOCK, copy=not out)
+        try:
+            send_reply(self.sock, identity, P.encode(reply), out)
         except zmq.Again:  # max_unread_replies_per_client replies already wait for this client
             self.metrics.inc("kvtier_replies_dropped_total", reason="unread")
             return
