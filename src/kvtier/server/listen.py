@@ -1,5 +1,6 @@
 """The server's request socket: the port it listens on, its secret, and the guarded ZMQ ROUTER bound there, with
-the bounds that protect the server from its clients (message size, unread replies)."""
+the bounds that protect the server from its clients (message size, unread replies); and how the request loop
+reads and answers on it (``receive``, ``readable``, ``send_reply``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.zmq_context import Context
 
-# plain ints: an operation on pyzmq's flag enums, and a socket option asked by its enum, cost Python calls per use
+# plain ints: arithmetic on pyzmq's flag enums (`zmq.NOBLOCK | zmq.SNDMORE`, `events & zmq.POLLIN`) runs Python
+# code in enum on every use
 NOBLOCK, NOBLOCK_MORE, POLLIN = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.POLLIN)
 
 
