@@ -188,7 +188,7 @@ def test_a_store_of_a_new_prompt_is_hashed_off_the_request_thread_from_its_own_b
 
 
 def test_many_connections_of_one_principal_get_one_turn_per_round(tmp_path):
-    """libzmq reads connections in turn, so 32 connections used to buy 32 turns to an engine's one: its lookup
+    """libzmq reads connections in turn, so 64 connections used to buy 64 turns to an engine's one: its lookup
     waited behind one request of each. With turns per principal it waits behind at most one of each principal."""
     secrets = tmp_path / "secrets.yaml"
     bad = tenant_file(tmp_path, secrets, "hostile")
@@ -196,13 +196,13 @@ def test_many_connections_of_one_principal_get_one_turn_per_round(tmp_path):
         head = tokens_of(999)
         with Client(server.url, model="m", layout=LAYOUT, secret_file=bad) as client:
             assert client.store(head, kv_for(head, 1)) == 1
-        hostile = [Raw(server.url, secret_file=bad) for _ in range(32)]
+        hostile = [Raw(server.url, secret_file=bad) for _ in range(64)]
         honest = Raw(server.url, secret_file=secrets)
         poller = zmq.Poller()
         for i, conn in enumerate(hostile):
             poller.register(conn.sock, zmq.POLLIN)
-            for j in range(8):  # new 4,000-token prompts whose first chunk is held: each costs all its hashing
-                conn.send(P.Lookup(id=0, tokens=P.pack_tokens(head + tokens_of(1000 + 8 * i + j, 249))))
+            for j in range(4):  # new 4,000-token prompts whose first chunk is held: each costs all its hashing
+                conn.send(P.Lookup(id=0, tokens=P.pack_tokens(head + tokens_of(1000 + 4 * i + j, 249))))
         poller.register(honest.sock, zmq.POLLIN)
         answered, sent, after = 0, False, 0
         while True:
@@ -219,8 +219,9 @@ def test_many_connections_of_one_principal_get_one_turn_per_round(tmp_path):
             if answered >= 16 and not sent:  # the server is busy with the hostile lookups: the engine asks now
                 honest.send(P.Lookup(id=0, tokens=P.pack_tokens(tokens_of(1, 2))))
                 sent = True
-        # with turns: the lookups already on their way out and one round; without: one per hostile connection
-        assert after < 20, after
+        # with turns: the replies already on their way out when it asked (how many depends on how fast this test
+        # reads them: up to ~20 on a busy machine) and one round; without: one per hostile connection, 64
+        assert after < 40, after
         for conn in [*hostile, honest]:
             conn.close()
 
