@@ -29,6 +29,8 @@ from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
 from kvtier.tensors import as_numpy, chunk_view, copy_from, empty_kv, join_chunks
 
+FLUSH_REPLY_GRACE_SECONDS = 5.0  # a Flush reply may arrive this long after the server's own deadline
+
 
 class Client:
     """Connects to ``kvtier server`` at ``url`` for one (model, KV layout, namespace).
@@ -61,7 +63,6 @@ class Client:
                  secret_file: str | os.PathLike | None = None):
         self.url = url
         self.layout = layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout)
-        self.timeout_seconds = timeout_seconds
         self.metrics = metrics or Metrics()
         self.prefault = prefault
         self._unflushed: set[str] = set()  # server_ids that acknowledged stores since the last good flush
@@ -259,12 +260,9 @@ class Client:
         False on timeout, when the server is unavailable, once after one of its L2 writes was dropped or failed,
         and once after the server restarted (a new ``server_id``: writes acknowledged by the old one may be
         lost)."""
-        with self.transport.lock:
-            saved, self.timeout_seconds = self.timeout_seconds, max(self.timeout_seconds, timeout_seconds + 5.0)
-            try:
-                reply, _ = self.transport.call(P.Flush(id=self.transport.new_id(), timeout_seconds=timeout_seconds))
-            finally:
-                self.timeout_seconds = saved
+        with self.transport.lock:  # the server answers at its own deadline: wait a little past it
+            reply, _ = self.transport.call(P.Flush(id=self.transport.new_id(), timeout_seconds=timeout_seconds),
+                                           deadline=time.monotonic() + timeout_seconds + FLUSH_REPLY_GRACE_SECONDS)
             if not (isinstance(reply, P.FlushReply) and reply.done):
                 return False
             same_server = self._unflushed <= {self.info.server_id}

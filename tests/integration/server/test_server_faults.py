@@ -176,6 +176,20 @@ def test_a_lookup_waiting_on_a_server_that_dies_is_a_miss_long_before_its_timeou
         client.close()
 
 
+def test_a_flush_waits_for_its_own_timeout_not_the_clients(tmp_path):
+    """Issue 38 finding 1: ``flush(T)`` waits up to T for a slow L2, even when T is longer than the client's
+    ``timeout_seconds``; it used to give up at the client's timeout, report a loss and mark the server down."""
+    slow = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "disk")}, "latency_seconds": 3,
+            "ops": ["put"]}
+    with ServerProc(tmp_path, config={"l2_adapters": [slow]}) as server, \
+            Client(server.url, model="m", layout=LAYOUT, timeout_seconds=1.0) as client:
+        tokens = list(range(300, 300 + CHUNK))
+        assert client.store(tokens, kv_for(tokens, 11)) == 1  # acknowledged; its L2 write takes 3 s
+        assert client.flush(30.0) is True
+        assert client.lookup(tokens) == CHUNK  # the server was never marked down
+        assert client.metrics.value("kvtier_client_unavailable_total") == 0
+
+
 @pytest.mark.timeout(120)
 def test_client_started_before_its_server_misses_then_connects(tmp_path):
     port = free_port()
