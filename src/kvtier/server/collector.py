@@ -25,11 +25,13 @@ FULL_MIN_INTERVAL_SECONDS = 1.0  # full collections started here: at most one a 
 
 
 class IdleCollector:
-    """Runs the collection that comes due next when the request loop is idle (module docstring)."""
+    """Runs the collection that comes due next when the request loop is idle (module docstring). ``clock``: seconds,
+    ``time.monotonic`` unless a test drives the time itself."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.thresholds = gc.get_threshold()
-        self._last_full = 0.0
+        self.clock = clock
+        self._last_full = float("-inf")
 
     def start(self) -> None:
         """Freeze what exists now (``gc.freeze``): objects made while starting are never walked again."""
@@ -47,7 +49,7 @@ class IdleCollector:
         generation = 0
         if c1 + 1 >= t1:  # the next young collection would take the middle generation too
             generation = 1
-            now = time.monotonic()
+            now = self.clock()
             if c2 + 1 >= t2 and now - self._last_full >= FULL_MIN_INTERVAL_SECONDS:
                 generation, self._last_full = 2, now
         gc.collect(generation)
