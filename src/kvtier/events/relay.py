@@ -28,7 +28,11 @@ def _ipc_path(endpoint: str, what: str) -> str:
     if not endpoint.startswith("ipc://") or len(endpoint) <= len("ipc://"):
         raise ConfigError(f"the relay's {what} {endpoint!r} must be an ipc:// path (e.g. ipc:///run/kvtier/events): "
                           "a plain ZMQ socket on tcp would let any local process read every event")
-    return endpoint[len("ipc://"):]
+    path = endpoint[len("ipc://"):]
+    if path.startswith("@"):  # Linux abstract namespace: no socket file, so no permissions to restrict it
+        raise ConfigError(f"the relay's {what} {endpoint!r} names an abstract socket (ipc://@...), which any local "
+                          "process can connect to: give a file path instead (e.g. ipc:///run/kvtier/events)")
+    return path
 
 
 class EventRelay:

@@ -151,3 +151,16 @@ def test_the_relay_serves_a_plain_zmq_router_over_ipc_with_owner_only_permission
 def test_the_relay_refuses_a_tcp_output(deployment):
     with pytest.raises(ConfigError, match="must be an ipc:// path"):
         EventRelay(deployment.ev["endpoint"], None, deployment.files["router"], "tcp://127.0.0.1:0")
+
+
+@pytest.mark.parametrize("outputs", [("ipc://@kvtier-events", None), ("ipc://{tmp}/out", "ipc://@kvtier-replay")])
+def test_the_relay_refuses_an_abstract_socket_up_front(deployment, tmp_path, outputs):
+    """Issue 38 finding 6: an abstract ``ipc://@name`` has no socket file, so no permissions keep other local users
+    out; it is refused with a message saying so, before any socket is made (it used to fail only at the chmod)."""
+    out = tmp_path / "relay"
+    out.mkdir()
+    to, replay_to = (None if o is None else o.format(tmp=out) for o in outputs)
+    with pytest.raises(ConfigError, match="abstract socket"):
+        EventRelay(deployment.ev["endpoint"], deployment.ev["replay_endpoint"], deployment.files["router"], to,
+                   replay_to=replay_to)
+    assert not list(out.iterdir())  # nothing was bound
