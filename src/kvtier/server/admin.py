@@ -10,12 +10,17 @@ It never accepts what a browser can send cross-site without asking (a form post,
 request must carry a JSON body (``{"medium": "CPU"}`` or ``{}``) or the ``X-KVTier-Admin`` header (415 / 400
 otherwise). Nothing is cleared when refused. The management API (``/cache/...``: look up, pin, TTL, delete a
 prompt's or a session's chunks, list sessions) is ``server/manage_http.py``. Binds 127.0.0.1 unless told otherwise.
+
+DNS rebinding: a web page can make a browser resolve its own domain to 127.0.0.1 and read the answers, so every
+route but ``/healthz`` and ``/metrics`` answers only a ``Host`` that is an IP address, ``localhost`` or a name in
+``server.admin_allowed_hosts`` (421 otherwise, naming that key): a page's own domain is none of these.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import json
 import logging
 import re
@@ -25,6 +30,7 @@ import time
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -66,6 +72,43 @@ def redact(value):
     if isinstance(value, str):
         return _URL_QUERY.sub(r"\1?***", _URL_USERINFO.sub("***@", value))
     return value
+
+
+_ANY_HOST_PATHS = ("/healthz", "/metrics")  # probes and scrapers may name the host as they like: nothing secret there
+
+
+def host_allowed(host_header: str, names: frozenset[str]) -> bool:
+    """Whether an HTTP ``Host`` header (``name[:port]``, ``[v6]:port``) names this server directly: an IP address,
+    ``localhost`` or one of ``names`` (lower case). A DNS name outside those may be a rebinding page's own."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return host.rstrip(".") in names
+
+
+class HostCheck:
+    """ASGI middleware: 421 for a request whose ``Host`` ``host_allowed`` refuses (module docstring)."""
+
+    def __init__(self, app, allowed_names: list[str]):
+        self.app = app
+        self.names = frozenset(["localhost", *(n.lower().rstrip(".") for n in allowed_names)])
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in _ANY_HOST_PATHS:
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if not host_allowed(host, self.names):
+                response = JSONResponse({"error": f"Host {host[:100]!r} is not a name of this server: use its IP "
+                                         "address or localhost, or add the name to server.admin_allowed_hosts"},
+                                        status_code=421)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def server_health(server) -> tuple[bool, str]:
@@ -174,7 +217,8 @@ def build_app(server, telemetry: Telemetry) -> Starlette:
 
     manage = ManageRoutes(server)
     app = Starlette(routes=[Route("/healthz", healthz), Route("/status", status), Route("/metrics", metrics),
-                            Route("/clear", clear, methods=["POST"]), *manage.routes])
+                            Route("/clear", clear, methods=["POST"]), *manage.routes],
+                    middleware=[Middleware(HostCheck, allowed_names=server.config.server.admin_allowed_hosts)])
     app.state.manage = manage  # closed by AdminHTTP.stop (its hashing process)
     return app
 

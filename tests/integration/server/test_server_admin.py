@@ -78,3 +78,27 @@ def test_unauthenticated_admin_must_be_enabled_and_still_refuses_cross_site_post
         assert done.status_code == 200 and client.lookup(tokens) == 0
         stored(client, 2)
         assert client.clear() == 1
+
+
+def test_a_rebound_dns_name_reads_nothing_but_health_and_metrics(tmp_path):
+    """Issue 38 finding 5: a web page that resolves its own domain to this host (DNS rebinding) must not read which
+    prompts are cached or what /status shows; the Host header is checked against IP addresses, localhost and
+    ``server.admin_allowed_hosts``."""
+    with ServerProc(tmp_path, config={"server": {"admin_allowed_hosts": ["KVTier.internal."]}}) as server, \
+            Client(server.url, model="m", layout=LAYOUT) as client:
+        tokens = stored(client, 2)
+        port = server.admin.rsplit(":", 1)[1]
+        lookup = {"model": "m", "tokens": tokens}
+        for host in (f"attacker.example:{port}", "attacker.example", f"localhost.attacker.example:{port}"):
+            headers = {"Host": host}
+            for response in (httpx.get(server.admin + "/status", headers=headers),
+                             httpx.get(server.admin + "/cache/sessions", headers=headers),
+                             httpx.post(server.admin + "/cache/lookup", json=lookup, headers=headers)):
+                assert response.status_code == 421, (host, response.request.url)
+                assert "server.admin_allowed_hosts" in response.json()["error"] and str(tokens[0]) not in response.text
+            assert httpx.get(server.admin + "/healthz", headers=headers).status_code == 200
+            assert httpx.get(server.admin + "/metrics", headers=headers).status_code == 200
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]", f"kvtier.internal:{port}"):
+            response = httpx.post(server.admin + "/cache/lookup", json=lookup, headers={"Host": host})
+            assert response.status_code == 200 and response.json()["num_tokens"] == CHUNK, host
+            assert httpx.get(server.admin + "/status", headers={"Host": host}).status_code == 200
