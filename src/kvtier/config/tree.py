@@ -140,6 +140,10 @@ class ServerConfig(_Section):
     # per-client bounds (server/limits.py); client_limits false turns them off (one trusted engine)
     client_limits: Bool = True
     max_prompt_tokens: int = Field(1 << 20, gt=0)  # tokens in one Lookup / StoreBegin / RetrieveBegin
+    # identities the server keeps (Hello's model id and namespace, a request's namespace), in UTF-8 bytes; always on
+    max_model_id_bytes: int = Field(1024, gt=0)
+    max_namespace_bytes: int = Field(1024, gt=0)
+    known_caches_max_bytes: SizeBytes = Field(4 << 20, gt=0)  # caches the management API reaches after their sessions
     hash_offload_min_tokens: int = Field(4096, gt=0)  # longer prompts not memoised are hashed on a worker thread
     # the same for a StoreBegin: it follows a forward pass over those tokens, so the hand-off costs it little
     store_hash_offload_min_tokens: int = Field(1024, gt=0)

@@ -53,23 +53,33 @@ def shown_namespace(namespace: str | None) -> str | None:
     return "sha256:" + hashlib.sha256(namespace.encode()).hexdigest()[:32]
 
 
-class KnownCaches:
-    """The server's caches by (model, KV layout id, namespace), the last ``max_entries`` made: the server forgets
-    a cache once no session uses it (its chunks stay), the management API still reaches them through this.
-    Thread-safe."""
+KNOWN_CACHE_OVERHEAD_BYTES = 1024  # a kept KVCache and its entry besides its strings (tracemalloc: ~450 on 3.11)
 
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
+
+class KnownCaches:
+    """The server's caches by (model, KV layout id, namespace), the last made: the server forgets a cache once no
+    session uses it (its chunks stay), the management API still reaches them through this. Bounded in memory:
+    ``max_bytes`` of model ids, layout ids and namespaces (plus ``KNOWN_CACHE_OVERHEAD_BYTES`` each), the least
+    recently opened forgotten first, and ``max_entries`` entries. Thread-safe."""
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
         self._lock = threading.Lock()
         self._caches: OrderedDict[tuple[str, str, str], object] = OrderedDict()
+        self.nbytes = 0  # estimated bytes of what is kept
+
+    @staticmethod
+    def cost(key: tuple[str, str, str]) -> int:
+        return sum(len(part) for part in key) + KNOWN_CACHE_OVERHEAD_BYTES
 
     def note(self, key: tuple[str, str, str], cache) -> None:
         """A session opened ``cache`` (``key``: the server's cache key)."""
         with self._lock:
+            if self._caches.pop(key, None) is None:
+                self.nbytes += self.cost(key)
             self._caches[key] = cache
-            self._caches.move_to_end(key)
-            while len(self._caches) > self.max_entries:
-                self._caches.popitem(last=False)
+            while len(self._caches) > self.max_entries or (self.nbytes > self.max_bytes and len(self._caches) > 1):
+                self.nbytes -= self.cost(self._caches.popitem(last=False)[0])
 
     def matching(self, model: str, namespace: str, layout_id: str | None = None) -> list:
         """The caches of ``model`` in ``namespace`` (of KV layout ``layout_id`` when given)."""

@@ -52,6 +52,7 @@ from kvtier.server.session import (
     check_hello,
     error_reply,
     handshake_values,
+    identity_refusal,
     limited_reply,
     scoped_namespace,
 )
@@ -109,7 +110,7 @@ class KVTierServer:
         self._shm_lock = hold_lock(shm_name) if shm_name else None
         self.caches: dict[tuple[str, str, str], KVCache] = {}
         self._refused_models: set[str] = set()  # models whose refusal was logged
-        self.known = KnownCaches(MAX_CACHES)  # for the management API, kept after their sessions are gone
+        self.known = KnownCaches(MAX_CACHES, srv.known_caches_max_bytes)  # for the management API, kept after their sessions
         self.sessions: dict[bytes, Session] = {}
         self._next_idle_scan = 0.0
         self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
@@ -252,6 +253,10 @@ class KVTierServer:
             tokens = getattr(msg, "tokens", None)
             if tokens is not None and (refusal := self.limits.check_prompt(tokens)):
                 self.metrics.inc("kvtier_client_limit_exceeded_total", limit="prompt_tokens")
+                return error_reply(msg, "too_large", refusal), []
+            namespace = getattr(msg, "namespace", None)
+            if namespace is not None and (refusal := identity_refusal(self.config.server, namespace=namespace)):
+                self.metrics.inc("kvtier_client_limit_exceeded_total", limit="namespace_bytes")
                 return error_reply(msg, "too_large", refusal), []
             if not hashed and (parked := self.prehash.park(identity, session, msg)):  # a long prompt: hashed first
                 return (None, []) if parked is True else (limited_reply(self.metrics, msg, "hash_jobs", parked), [])

@@ -126,6 +126,9 @@ def check_hello(msg: P.Hello, config: KVTierConfig, l1_capacity_bytes: int) -> K
                                f"the whole L1 ({l1_capacity_bytes} bytes): raise --l1-size-gb")
     if not msg.model:
         raise HandshakeRefused("bad_request", "model id must not be empty")
+    refusal = identity_refusal(config.server, model=msg.model, namespace=msg.namespace)
+    if refusal:
+        raise HandshakeRefused("bad_request", refusal)
     mine = handshake_values(config)
     unknown = sorted(set(msg.expect) - set(mine))
     if unknown:
@@ -135,6 +138,18 @@ def check_hello(msg: P.Hello, config: KVTierConfig, l1_capacity_bytes: int) -> K
     if diffs:
         raise HandshakeRefused("config_mismatch", "; ".join(diffs))
     return layout
+
+
+def identity_refusal(srv, *, model: str | None = None, namespace: str | None = None) -> str | None:
+    """Why a model id or namespace (a Hello's, or a request's namespace) is refused: longer in UTF-8 than
+    ``server.max_model_id_bytes`` / ``max_namespace_bytes`` (``srv``: the ``server`` config), which bound what the
+    server keeps of every identity it was ever told; None when both fit."""
+    for what, value, key in (("model id", model, "max_model_id_bytes"), ("namespace", namespace, "max_namespace_bytes")):
+        bound = getattr(srv, key)
+        if value is not None and len(value.encode()) > bound:
+            return (f"{what} of {len(value.encode())} bytes exceeds server.{key} ({bound}): name the model by its "
+                    "weights' identity (kvtier.identity.model_identity) and the namespace by keys.namespace_of")
+    return None
 
 
 def admin_refusal(config: KVTierConfig, token: str | None) -> str | None:

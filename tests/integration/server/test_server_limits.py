@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 
+import httpx
+import pytest
 import torch
 from support.raw import Raw
 from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, metric_value, wait_for
 
 from kvtier import protocol as P
 from kvtier.client import Client
+from kvtier.errors import ProtocolError
 
 
 def kv_for(tokens, seed):
@@ -128,3 +131,32 @@ def test_idle_caches_are_dropped(tmp_path):
         assert kept.lookup(tokens_of(0)) == 0  # another model's chunks stay apart
         with Client(server.url, model="model-0", layout=LAYOUT) as again:
             assert again.lookup(tokens_of(0)) == CHUNK  # the chunks outlived their cache object
+
+
+def test_identities_are_bounded_and_so_is_what_the_server_keeps_of_them(tmp_path):
+    """Issue 38 finding 2: a model id or namespace of any length was accepted (up to the 64 MiB header) and kept by
+    the management API's list of caches after its session ended. Both are bounded, and so is that list's memory."""
+    bounds = {"server": {"max_model_id_bytes": 64, "max_namespace_bytes": 48, "known_caches_max_bytes": 8 * 1024}}
+    with ServerProc(tmp_path, l1="1MB", config=bounds) as server:
+        for kwargs, key in (({"model": "m" * 65}, "max_model_id_bytes"), ({"model": "é" * 33}, "max_model_id_bytes"),
+                            ({"model": "m", "namespace": "n" * 49}, "max_namespace_bytes")):
+            with pytest.raises(ProtocolError, match=rf"exceeds server\.{key} \("):
+                Client(server.url, layout=LAYOUT, **kwargs)
+        with Client(server.url, model="m" * 64, layout=LAYOUT, namespace="n" * 48) as client:  # at the bounds
+            tokens = tokens_of(1)
+            assert client.store(tokens, kv_for(tokens, 1)) == 1
+            assert client.lookup(tokens, namespace="x" * 49) == 0  # a request's namespace too
+            raw = Raw(server.url)
+            reply = raw.ask(P.Lookup(id=0, tokens=P.pack_tokens(tokens), namespace="x" * 49))
+            assert reply.code == "too_large" and "server.max_namespace_bytes (48)" in reply.message
+            raw.close()
+            assert metric_value(server.metrics_text(), "kvtier_client_limit_exceeded_total", limit="namespace_bytes") == 2
+        for i in range(40):  # each cache forgotten when its session ends, but still known to the management API
+            with Client(server.url, model=f"model-{i:02d}-" + "m" * 50, layout=LAYOUT) as client:
+                assert client.ping()
+        def lookup(i: int) -> int:
+            body = {"model": f"model-{i:02d}-" + "m" * 50, "tokens": tokens_of(1)}
+            return httpx.post(server.admin + "/cache/lookup", json=body).status_code
+
+        assert lookup(39) == 200  # the newest is known
+        assert lookup(0) == 404  # 40 of ~1.1 KiB each do not fit in 8 KiB: the oldest went first
