@@ -20,12 +20,15 @@ HINT_FIELDS = ("priority", "ttl_seconds", "session_id")
 @dataclass(frozen=True, slots=True)
 class RetentionHint:
     """What a store asks for its chunks. ``priority``: 0 (ordinary) to 3; ``ttl_seconds``: > 0, or None (no
-    expiry; with a ``session_id``, the configured session TTL); ``session_id``: groups chunks for the management
-    API (non-empty, at most 256 characters). Build it with ``check_hint`` to get field-naming errors."""
+    expiry but ``retention_max_ttl_seconds``; with a ``session_id``, the configured session TTL); ``session_id``:
+    groups chunks for the management API (non-empty, at most 256 characters); ``owner``: who set it, whose share
+    of the protected bytes it counts against (the server sets the client's principal; None: nobody's). Build it
+    with ``check_hint`` to get field-naming errors."""
 
     priority: int = 0
     ttl_seconds: float | None = None
     session_id: str | None = None
+    owner: str | None = None
 
     @property
     def protects(self) -> bool:
@@ -52,6 +55,14 @@ def check_hint(priority=None, ttl_seconds=None, session_id=None) -> RetentionHin
         raise InputError(f"retention hint field 'session_id' must be a non-empty string of at most "
                          f"{MAX_SESSION_ID_CHARS} characters, got {session_id!r:.80}")
     return RetentionHint(priority or 0, None if ttl_seconds is None else float(ttl_seconds), session_id)
+
+
+def check_ttl_bound(hint: RetentionHint | None, max_ttl_seconds: float) -> None:
+    """Raise InputError when ``hint`` asks for a TTL past ``retention_max_ttl_seconds`` (``max_ttl_seconds``)."""
+    if hint is not None and hint.ttl_seconds is not None and hint.ttl_seconds > max_ttl_seconds:
+        raise InputError(f"retention hint field 'ttl_seconds' ({hint.ttl_seconds:g}) exceeds "
+                         f"retention_max_ttl_seconds ({max_ttl_seconds:g}): ask for a shorter TTL, or store again "
+                         "to extend it")
 
 
 def hint_from_params(params: Mapping | None) -> RetentionHint | None:

@@ -27,7 +27,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                "Leading tokens found by lookups, by the tier that held the chunk.", ("medium",)),
     MetricSpec("kvtier_store_chunks_total", "counter", "Chunks newly stored into L1."),
     MetricSpec("kvtier_retention_refused_chunks_total", "counter",
-               "Chunks whose retention hint was refused: protected chunks would pass l1_retention_max_share."),
+               "Chunks whose retention hint was refused: protected chunks would pass l1_retention_max_share, or the "
+               "principal's would pass l1_retention_max_share_per_principal."),
     MetricSpec("kvtier_retrieve_chunks_total", "counter", "Chunks returned by retrieve."),
     MetricSpec("kvtier_l1_usage_bytes", "gauge", "Bytes of L1 in use.", unit="By"),
     MetricSpec("kvtier_l1_capacity_bytes", "gauge", "L1 byte budget.", unit="By"),

@@ -10,7 +10,7 @@ from harness.kvtier_server import ServerProcess, kvtier_cmd  # noqa: F401 (kvtie
 from harness.metrics import metric_value  # noqa: F401 (for the tests)
 from harness.service_proc import free_port  # noqa: F401 (for the tests)
 from kvtier.auth.curve import apply_client
-from kvtier.auth.secret_file import client_credentials
+from kvtier.auth.secret_file import add_tenant, client_credentials, default_secret_file, tenant_credentials, write_private
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # 128 bytes per token
@@ -50,3 +50,12 @@ def authenticated(sock, url: str):
     assert creds is not None, problem or f"no secret file at {path}"
     apply_client(sock, creds)
     return sock
+
+
+def tenant_file(server: ServerProcess, tenant: str, folder: Path) -> str:
+    """The credential file of a new tenant ``tenant`` of ``server`` (added to its secret file; the server picks
+    it up without a restart), written to ``folder``."""
+    creds = add_tenant(default_secret_file(server.port), tenant)
+    path = folder / f"{tenant}.cred"
+    write_private(path, tenant_credentials(creds, tenant))
+    return str(path)

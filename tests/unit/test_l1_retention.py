@@ -175,3 +175,24 @@ def test_a_later_ttl_hint_does_not_shorten_a_hint_without_expiry():
     store.hint(["turn"], RetentionHint(priority=1, ttl_seconds=30.0))
     assert store.retention_of("turn") == {"priority": 1, "expires_in_seconds": 30.0, "session_id": None,
                                           "pinned": False}
+
+
+def test_one_owner_holds_at_most_its_share_and_a_hint_without_ttl_expires_at_the_default():
+    """Issue 38 finding 3: per-owner share (the server's principals) inside the global one; a priority hint with no
+    TTL lapses after ``default_ttl_seconds`` (``retention_max_ttl_seconds``); a management pin never does."""
+    clock = Clock()
+    store = L1Store(8 * SLOT, "LRU", retention_max_share=0.75, clock=clock, retention_max_share_per_owner=0.25,
+                    retention_default_ttl_seconds=100.0)
+    for i in range(6):
+        put(store, i)
+    assert store.hint([0, 1, 2], RetentionHint(priority=3, owner="key:tenant:a")) == (2, 1)  # 2 of 8 slots
+    assert store.hint([3, 4], RetentionHint(priority=1, owner="key:tenant:b")) == (2, 0)
+    assert store.hint([2], RetentionHint(priority=1)) == (1, 0)  # no owner: only the global share counts
+    assert store.retention.owner_bytes("key:tenant:a") == 2 * SLOT
+    assert store.hint([5], RetentionHint(priority=1, owner="key:tenant:b")) == (0, 1)  # b holds its 2 slots already
+    assert store.retention_of(0)["expires_in_seconds"] == 100.0
+    store.hint([5], RetentionHint(), pinned=True)
+    clock.now += 100.0  # every client hint lapsed; the pin stays
+    assert store.retention.expire() == 5 and store.retention_of(5)["pinned"]
+    assert store.retention.owner_bytes("key:tenant:a") == 0
+    assert store.hint([0, 1], RetentionHint(priority=3, owner="key:tenant:a")) == (2, 0)  # room again

@@ -22,7 +22,7 @@ from kvtier.cache.tiers import Tiers
 from kvtier.config import KVTierConfig
 from kvtier.errors import InputError, KVTierError
 from kvtier.hashing import as_token_array, prefix_hashes
-from kvtier.hints import RetentionHint
+from kvtier.hints import RetentionHint, check_ttl_bound
 from kvtier.keys import chunk_layout_id
 from kvtier.l2.tier import WriteItem
 from kvtier.layout import KVLayout
@@ -132,7 +132,9 @@ class KVCache:
         first chunk that cannot get space, or that would take the reserved bytes past ``max_bytes``: then
         ``ticket.limited``). The slots are invisible until ``commit_store``. ``hint`` (``retention.check_hint``)
         is applied at commit to every chunk of the prompt L1 then holds, already-stored ones and those before
-        ``start`` included."""
+        ``start`` included. Raises InputError (before anything is reserved) for a hint whose TTL passes
+        ``retention_max_ttl_seconds``, and what ``chunk_refs`` raises."""
+        check_ttl_bound(hint, self.config.retention_max_ttl_seconds)
         arr, prompt_refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         refs = self._from(prompt_refs, start)
         ticket = StoreTicket(arr, refs, hint=hint)

@@ -38,7 +38,9 @@ class Tiers:
         adapters = [create_adapter(spec) for spec in config.l2_adapters]
         self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name,
                           retention_max_share=config.l1_retention_max_share,
-                          session_ttl_seconds=config.session_ttl_seconds)
+                          session_ttl_seconds=config.session_ttl_seconds,
+                          retention_max_share_per_owner=config.l1_retention_max_share_per_principal,
+                          retention_default_ttl_seconds=config.retention_max_ttl_seconds)
         self.l1.on_evict = self._on_l1_evict
         self.memo = LookupMemo(config.lookup_memo_max_bytes)
         record_key = RecordKeys(config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None,

@@ -202,6 +202,10 @@ class KVTierConfig(_Section):
     eviction_policy: Annotated[str, BeforeValidator(_policy)] = "LRU"
     # share of L1 that chunks under a retention hint (priority, TTL, session, management pin) may hold
     l1_retention_max_share: float = Field(0.5, ge=0.0, le=1.0)
+    # of L1, what the hints of one principal (a server's client key, tenant, uid or IP) may hold of that share
+    l1_retention_max_share_per_principal: float = Field(0.25, ge=0.0, le=1.0)
+    # longest ttl_seconds a store's hint may ask for, and the expiry of a priority hint that names none
+    retention_max_ttl_seconds: float = Field(86400.0, gt=0)
     session_ttl_seconds: float = Field(300.0, gt=0)  # TTL of a store's session hint that names no ttl_seconds
     l2_adapters: list[dict] = Field(default_factory=list)  # in cascade order; see l2.create_adapter
     l2_write_queue_size: int = Field(64, ge=0)  # chunks waiting for L2; a full queue drops the write

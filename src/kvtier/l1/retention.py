@@ -5,8 +5,11 @@ A hint protects a chunk from eviction while it is *live*: until ``ttl_seconds`` 
 one) first, in policy order; only when none is left does it evict protected chunks, lowest ``priority`` first
 (policy order within a priority). A chunk of a live session therefore outlives every unhinted chunk and every
 lower-priority chunk. Protected chunks may hold at most ``max_share`` of L1's bytes
-(``l1_retention_max_share``): a hint past it is refused (the chunk is stored as an ordinary one and the refusal
-is counted), so hints can never starve the cache. A ``session_id`` without a TTL gets ``session_ttl_seconds``.
+(``l1_retention_max_share``), and the chunks one owner hinted (a hint's ``owner``: the server sets the client's
+principal) at most ``max_owner_share`` (``l1_retention_max_share_per_principal``): a hint past either is refused
+(the chunk is stored as an ordinary one and the refusal is counted), so hints can never starve the cache and one
+tenant cannot take the share from the others. A ``session_id`` without a TTL gets ``session_ttl_seconds``; any
+other hint without one ``default_ttl_seconds`` (``retention_max_ttl_seconds``): only a management pin has no expiry.
 
 Not thread-safe on its own: ``L1Store`` calls it under its lock. Times come from ``clock`` (seconds,
 ``time.monotonic`` by default; the simulator passes the trace's clock).
@@ -28,6 +31,7 @@ class _Held:
     session_id: str | None
     nbytes: int
     pinned: bool = False
+    owner: str | None = None
 
 
 class Retention:
@@ -37,37 +41,48 @@ class Retention:
         capacity_bytes: L1's budget; ``max_share`` of it may be held by protected chunks.
         max_share: 0..1 (0 disables hints: every one is refused).
         session_ttl_seconds: TTL of a hint with a ``session_id`` and no ``ttl_seconds``.
+        max_owner_share: 0..1, of ``capacity_bytes``: what the hints of one owner may hold (hints without an
+            owner count only against ``max_share``).
+        default_ttl_seconds: TTL of any other hint without ``ttl_seconds`` (a management pin has none).
     """
 
     def __init__(self, capacity_bytes: int, max_share: float = 0.5, session_ttl_seconds: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic):
-        if not 0.0 <= max_share <= 1.0:
-            raise InputError(f"l1_retention_max_share must be between 0 and 1, got {max_share!r}")
+                 clock: Callable[[], float] = time.monotonic, *, max_owner_share: float = 1.0,
+                 default_ttl_seconds: float | None = None):
+        for name, share in (("l1_retention_max_share", max_share), ("max_owner_share", max_owner_share)):
+            if not 0.0 <= share <= 1.0:
+                raise InputError(f"{name} must be between 0 and 1, got {share!r}")
         self.max_bytes = int(capacity_bytes * max_share)
+        self.max_owner_bytes = int(capacity_bytes * max_owner_share)
         self.session_ttl_seconds = session_ttl_seconds
+        self.default_ttl_seconds = default_ttl_seconds
         self.clock = clock
         self._held: dict[Hashable, _Held] = {}
         self._held_bytes = 0
+        self._owner_bytes: dict[str, int] = {}
         self.num_refused = 0
 
     def set(self, key: Hashable, hint: RetentionHint, nbytes: int, *, pinned: bool = False) -> bool:
         """Protect ``key`` (``nbytes`` in L1) under ``hint``; a stronger existing hint keeps its priority and the
-        later expiry (a live hint without an expiry keeps none). Returns False (and counts a refusal) when it
-        would take protected bytes past the share."""
+        later expiry (a live hint without an expiry keeps none), and the owner that first hinted it. Returns False
+        (and counts a refusal) when it would take protected bytes past the share, or its owner's past theirs."""
         now = self.clock()
         ttl = hint.ttl_seconds
-        if ttl is None and hint.session_id is not None and not pinned:
-            ttl = self.session_ttl_seconds
+        if ttl is None and not pinned:
+            ttl = self.session_ttl_seconds if hint.session_id is not None else self.default_ttl_seconds
         expires = None if ttl is None else now + ttl
         old = self._held.get(key)
         if old is None:
-            if self._held_bytes + nbytes > self.max_bytes:
+            owner = hint.owner
+            if not self._room(nbytes, owner):
                 self.expire(now)
-                if self._held_bytes + nbytes > self.max_bytes:
+                if not self._room(nbytes, owner):
                     self.num_refused += 1
                     return False
-            self._held[key] = _Held(hint.priority, expires, hint.session_id, nbytes, pinned)
+            self._held[key] = _Held(hint.priority, expires, hint.session_id, nbytes, pinned, owner)
             self._held_bytes += nbytes
+            if owner is not None:
+                self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + nbytes
             return True
         live = self.live(old, now)
         old.priority = max(old.priority, hint.priority) if live else hint.priority
@@ -79,11 +94,21 @@ class Retention:
         old.pinned = old.pinned or pinned
         return True
 
+    def _room(self, nbytes: int, owner: str | None) -> bool:
+        return self._held_bytes + nbytes <= self.max_bytes and (
+            owner is None or self._owner_bytes.get(owner, 0) + nbytes <= self.max_owner_bytes)
+
     def drop(self, key: Hashable) -> bool:
         """Forget ``key``'s hint (evicted, removed, or unpinned); True when it had one."""
         held = self._held.pop(key, None)
         if held is not None:
             self._held_bytes -= held.nbytes
+            if held.owner is not None:
+                left = self._owner_bytes[held.owner] - held.nbytes
+                if left:
+                    self._owner_bytes[held.owner] = left
+                else:
+                    del self._owner_bytes[held.owner]
         return held is not None
 
     def expire(self, now: float | None = None) -> int:
@@ -133,6 +158,10 @@ class Retention:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def owner_bytes(self, owner: str) -> int:
+        """Bytes held by the hints ``owner`` set."""
+        return self._owner_bytes.get(owner, 0)
 
     @property
     def held_bytes(self) -> int:

@@ -65,7 +65,9 @@ class L1Store:
             (``kvtier.client.dataplane.SharedMapping(shm_name, capacity_bytes)``) and copy through ``offset(key)``.
         replace_shm: unlink a stale ``/dev/shm/<shm_name>`` instead of refusing to start.
         retention_max_share: share (0..1) of the budget that chunks under a retention hint may hold
-            (``kvtier.l1.retention``); session_ttl_seconds: TTL of a session hint without one; clock: seconds.
+            (``kvtier.l1.retention``); session_ttl_seconds: TTL of a session hint without one; clock: seconds;
+            retention_max_share_per_owner: the share one hint owner may hold; retention_default_ttl_seconds: TTL of
+            another hint without one (None: none).
         arena: an arena of ``capacity_bytes`` to use (the simulator's ``l1.arena.VirtualArena``); None: a new one.
 
     Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept with the entry
@@ -79,9 +81,12 @@ class L1Store:
 
     def __init__(self, capacity_bytes: int, policy: str = "LRU", shm_name: str | None = None,
                  *, replace_shm: bool = False, retention_max_share: float = 0.5,
-                 session_ttl_seconds: float = 300.0, clock=time.monotonic, arena: Arena | None = None):
+                 session_ttl_seconds: float = 300.0, clock=time.monotonic, arena: Arena | None = None,
+                 retention_max_share_per_owner: float = 1.0, retention_default_ttl_seconds: float | None = None):
         self._policy = make_policy(policy)
-        self.retention = Retention(capacity_bytes, retention_max_share, session_ttl_seconds, clock)
+        self.retention = Retention(capacity_bytes, retention_max_share, session_ttl_seconds, clock,
+                                   max_owner_share=retention_max_share_per_owner,
+                                   default_ttl_seconds=retention_default_ttl_seconds)
         self.policy_name = self._policy.name
         self.arena = arena if arena is not None else Arena(capacity_bytes, shm_name, replace=replace_shm)
         self.shm_name = shm_name

@@ -15,6 +15,7 @@ it copied).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -120,6 +121,8 @@ class DataOps:
         if refusal:
             return limited_reply(self.metrics, msg, *refusal), []
         hint = check_hint(msg.priority, msg.ttl_seconds, msg.session_id)
+        if hint is not None:  # its protected bytes count against this client's principal
+            hint = dataclasses.replace(hint, owner=session.principal)
         ticket = session.cache.begin_store(*session.prompt(msg), extra_keys=msg.extra_keys, start=msg.start,
                                            max_bytes=self.limits.reserve_budget(session.usage), hint=hint)
         ticket.on_lost = session.count_lost

@@ -3,9 +3,10 @@ evicts the same chunks stored without a hint; bad hints are refused with the fie
 
 from __future__ import annotations
 
+import httpx
 import torch
 from support.raw import Raw
-from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc
+from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, metric_value, tenant_file
 
 from kvtier import protocol as P
 from kvtier.client import Client
@@ -56,3 +57,36 @@ def test_bad_hints_are_refused_naming_the_field(tmp_path):
             assert isinstance(reply, P.Error) and reply.code == "bad_request", reply
             assert name in reply.message
         raw.close()
+
+
+def test_one_tenant_cannot_take_the_protected_share(tmp_path):
+    """Issue 38 finding 3: tenant A stored with priority 3 and took all of ``l1_retention_max_share``: B's hints were
+    then refused, so was the admin's pin, and ``ttl_seconds=1e12`` was accepted. One principal's hints now hold at
+    most ``l1_retention_max_share_per_principal`` of L1, and a TTL is bounded by ``retention_max_ttl_seconds``."""
+    config = {"l1_retention_max_share": 0.5, "l1_retention_max_share_per_principal": 0.25,
+              "retention_max_ttl_seconds": 3600}
+    with ServerProc(tmp_path, l1=f"{64 * CHUNK_BYTES}B", config=config, token="admin-token") as server:
+        a_file, b_file = tenant_file(server, "team-a", tmp_path), tenant_file(server, "team-b", tmp_path)
+        with Client(server.url, model="m", layout=LAYOUT, secret_file=a_file) as a, \
+                Client(server.url, model="m", layout=LAYOUT, secret_file=b_file) as b:
+            hog = tokens_of(1, 40)
+            assert a.store(hog, kv_for(hog, 1), hint=RetentionHint(priority=3)) == 40
+
+            def refused() -> float:
+                return metric_value(server.metrics_text(), "kvtier_retention_refused_chunks_total") or 0
+
+            assert refused() == 24  # 16 chunks (a quarter of L1) protected, the rest stored as ordinary chunks
+            mine = tokens_of(2, 8)
+            assert b.store(mine, kv_for(mine, 2), hint=RetentionHint(priority=1, session_id="b-agent")) == 8
+            assert refused() == 24  # B's hints are honoured
+            for i in range(10, 74):  # a whole L1 of A's ordinary prompts: B's session stays, and A's protected quarter
+                other = tokens_of(i, 1)
+                a.store(other, kv_for(other, i))
+            assert b.lookup(mine) == 8 * CHUNK and a.lookup(hog) == 16 * CHUNK
+            raw = Raw(server.url, secret_file=a_file)
+            reply = raw.ask(P.StoreBegin(id=1, tokens=P.pack_tokens(tokens_of(90, 1)), priority=3, ttl_seconds=1e12))
+            assert reply.code == "bad_request" and "retention_max_ttl_seconds (3600)" in reply.message
+            raw.close()
+        pinned = httpx.post(server.admin + "/cache/pin", json={"model": "m", "tenant": "team-b", "tokens": mine},
+                            headers={"Authorization": "Bearer admin-token"})
+        assert pinned.status_code == 200 and pinned.json()["pinned"] == 8  # the admin's pin still finds room
