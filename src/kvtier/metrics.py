@@ -87,6 +87,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_store_seconds", "histogram", "Store latency.", unit="s"),
     MetricSpec("kvtier_retrieve_seconds", "histogram", "Retrieve latency.", unit="s"),
     MetricSpec("kvtier_connected_clients", "gauge", "Clients connected to the server."),
+    MetricSpec("kvtier_events_replays_refused_total", "counter",
+               "Replay requests refused: their principal had kv_events.max_replays_per_principal in progress."),
     MetricSpec("kvtier_events_dropped_total", "counter", "KV cache events dropped because the event queue was full."),
     MetricSpec("kvtier_events_published_total", "counter", "KV cache events published."),
     MetricSpec("kvtier_client_unavailable_total", "counter", "Client calls answered as a miss because the server was unreachable."),

@@ -103,6 +103,10 @@ class KVEventsConfig(_Section):
     hwm: int = Field(100_000, ge=0)
     buffer_steps: int = Field(10_000, gt=0)  # replay ring size, in batches
     buffer_max_bytes: int = Field(64 << 20, gt=0)  # replay ring size, in encoded bytes (the oldest batches go first)
+    # the replay port per principal (a tenant; the operator; everybody without auth): events/replay.py
+    max_replays_per_principal: int = Field(4, gt=0)  # replays in progress; more are refused at once
+    max_replay_bytes_per_principal: SizeBytes = Field(16 << 20, gt=0)  # sent to its requesters, not yet delivered
+    replay_timeout_seconds: float = Field(30.0, gt=0)  # a replay not finished by then is dropped
     max_queue_size: int = Field(100_000, gt=0)  # events queued before the publisher thread; overflow is dropped and counted
     batch_max_events: int = Field(1_000, gt=0)
     batch_max_delay_seconds: float = Field(0.01, ge=0)

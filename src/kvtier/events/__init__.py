@@ -14,7 +14,8 @@ from kvtier.events.model import (
     decode_batch,
     encode_batch,
 )
-from kvtier.events.publisher import END_SEQ, EventPublisher, should_bind
+from kvtier.events.publisher import EventPublisher, should_bind
+from kvtier.events.replay import END_SEQ
 from kvtier.events.subscriber import BlockIndex, Gap, Subscriber, SubscriberStats
 
 __all__ = [

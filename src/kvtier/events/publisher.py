@@ -1,11 +1,9 @@
 """ZMQ publisher of KV cache event batches, byte-compatible with vLLM's ``ZmqEventPublisher``.
 
 Wire (reference events-and-hashing.md §1.1): PUB frames ``[topic, seq (8-byte big-endian, 0, 1, 2, ...),
-msgpack EventBatch]``. Replay: a ROUTER on ``replay_endpoint`` answers ``[identity, b"", start_seq (8 bytes)]``
-with ``[identity, b"", topic, seq, payload]`` for every buffered batch with ``seq >= start_seq``, then the end
-marker ``[identity, b"", b"", 0xFF*8, b""]`` (vLLM >= 0.26 layout). The replay ROUTER is guarded
-(``kvtier.auth.zap``): a ZAP handler assigns every consumer's routing id, so no consumer can choose one that
-aborts the process.
+msgpack EventBatch]``. Replay: a ROUTER on ``replay_endpoint`` sends the buffered batches a consumer asks for,
+paced and bounded per principal (``kvtier.events.replay``). The replay ROUTER is guarded (``kvtier.auth.zap``):
+a ZAP handler assigns every consumer's routing id, so no consumer can choose one that aborts the process.
 
 Authentication (``auth``: a server's ``KeyRing`` and ``kv_events.auth``): the PUB becomes a CurveZMQ XPUB and
 the replay ROUTER requires CurveZMQ too, both accepting the server's keys, its tenants' and its subscriber keys
@@ -39,14 +37,14 @@ import time
 import zmq
 
 from kvtier.auth.curve import curve_keypair
-from kvtier.auth.zap import ZapHandler, router, tenant_of
+from kvtier.auth.zap import ZapHandler, router
 from kvtier.errors import KVTierError
 from kvtier.events.model import Encoder, Event, EventBatch
+from kvtier.events.replay import ALL_CONSUMERS, REPLY_HWM, ReplayPort, prepare_router, stream_principal
 from kvtier.events.streams import Stream, check_topic, subscription_for, tenant_topic
 from kvtier.zmq_context import Context
 
 log = logging.getLogger(__name__)
-END_SEQ = b"\xff" * 8
 ALL_STREAMS = "*"  # publish(tenant=ALL_STREAMS): every tenant stream carries the events (AllBlocksCleared)
 _LOCAL_TCP = re.compile(r"^tcp://(127\.0\.0\.1|localhost|0\.0\.0\.0|\[::1\]):")
 
@@ -80,9 +78,11 @@ class EventPublisher:
     Args:
         kv_events_config: ``KVEventsConfig`` (``endpoint``, ``replay_endpoint``, ``topic``, ``encoding``, ``hwm``,
             ``buffer_steps``, ``buffer_max_bytes``, ``max_queue_size``, ``batch_max_events``, ``batch_max_delay_seconds``,
-            ``data_parallel_rank``, ``auth``).
+            ``data_parallel_rank``, ``auth``, ``max_replays_per_principal``, ``max_replay_bytes_per_principal``,
+            ``replay_timeout_seconds``).
         metrics: optional ``kvtier.metrics.Metrics`` for ``kvtier_events_dropped_total``,
-            ``kvtier_events_published_total`` and ``kvtier_auth_refused_total{socket="events"|"replay"}``.
+            ``kvtier_events_published_total``, ``kvtier_auth_refused_total{socket="events"|"replay"}`` and
+            ``kvtier_events_replays_refused_total``.
         bind: override the bind/connect guess for the PUB endpoint.
         auth: the server's ``kvtier.auth.keyring.KeyRing``; with ``kv_events.auth`` both sockets accept only its
             keys and events are scoped per tenant (module docstring). None: plain PUB, unscoped.
@@ -135,14 +135,18 @@ class EventPublisher:
                               "publisher", cfg.hwm)
             self._pub.setsockopt(zmq.LINGER, 1000)
             self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode() if self._bind else cfg.endpoint
-            self._router = None
+            self._router = self._replay = None
             self.replay_endpoint = None
             if cfg.replay_endpoint:
                 principals = auth.event_principals if self.secure else None
                 self._zaps.append(ZapHandler(self._replay_ctx, principals, self._refused("replay")))
-                self._router = _open(self._replay_ctx, router(self._replay_ctx, keys), cfg.replay_endpoint, True,
-                                     "replay socket", 2 * (cfg.buffer_steps + 1))
+                self._router = _open(self._replay_ctx, prepare_router(router(self._replay_ctx, keys)),
+                                     cfg.replay_endpoint, True, "replay socket", REPLY_HWM)
                 self.replay_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+                self._replay = ReplayPort(self._router, self._replay_stream, self._lock,
+                                          max_replays=cfg.max_replays_per_principal,
+                                          max_bytes=cfg.max_replay_bytes_per_principal,
+                                          timeout_seconds=cfg.replay_timeout_seconds, refused=self._replay_refused)
         except BaseException:
             for zap in self._zaps:
                 zap.close()
@@ -296,34 +300,17 @@ class EventPublisher:
             if chosen is not None:
                 self._pub.setsockopt(zmq.SUBSCRIBE if body[0] == 1 else zmq.UNSUBSCRIBE, chosen)
 
-    def _replay_stream(self, ident) -> Stream | None:
-        if not self.secure:
-            return self._operator
-        authenticated, tenant = tenant_of(ident)
+    def _replay_stream(self, frame) -> tuple[str, bytes, collections.deque] | None:
+        """``ReplayPort``'s view of a request's connection: (principal, topic, ring) of the stream it may replay."""
+        authenticated, principal = stream_principal(frame, self.secure)
         if not authenticated:
             return None
-        return self._operator if tenant is None else self._tenants.get(tenant)
+        stream = self._operator if principal == ALL_CONSUMERS else self._tenants.get(principal)
+        return None if stream is None else (principal, stream.topic, stream.ring)
 
-    def _serve_replay(self) -> None:
-        while True:
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) != 3 or frames[1].bytes != b"" or len(frames[2].bytes) != 8:
-                log.warning("KV events: ignoring a malformed replay request of %d frame(s); "
-                            "expected [b'', start_seq (8 bytes)] from a DEALER", len(frames))
-                continue
-            ident, start = frames[0].bytes, int.from_bytes(frames[2].bytes, "big")
-            stream = self._replay_stream(frames[0])
-            with self._lock:
-                ring = stream.since(start) if stream is not None else []
-            topic = stream.topic if stream is not None else b""
-            # zero-copy: every requester's queue references the ring's payloads instead of holding copies; past
-            # the socket's high-water mark (2 x buffer_steps messages) a requester that never reads gets nothing
-            for seq, payload in ring:
-                self._router.send_multipart((ident, b"", topic, seq.to_bytes(8, "big"), payload), copy=False)
-            self._router.send_multipart((ident, b"", b"", END_SEQ, b""))
+    def _replay_refused(self, principal: str) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("kvtier_events_replays_refused_total")
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -353,11 +340,13 @@ class EventPublisher:
         """Answer replay requests and subscriptions; False when there is no socket to wait on."""
         if self._router is None and not self.secure:
             return False
-        ready = dict(poller.poll(wait_seconds * 1000))
+        ready = dict(poller.poll(0 if self._replay is not None and self._replay.active else wait_seconds * 1000))
         if self._pub in ready:
             self._serve_subscriptions()
-        if self._router is not None and self._router in ready:
-            self._serve_replay()
+        if self._replay is not None:
+            if self._router in ready:
+                self._replay.receive()
+            self._replay.pump()
         return True
 
 

@@ -25,7 +25,7 @@ from kvtier.auth.curve import apply_client
 from kvtier.auth.secret_file import read_credentials
 from kvtier.errors import KVTierError
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, EventBatch, decode_batch
-from kvtier.events.publisher import END_SEQ
+from kvtier.events.replay import END_SEQ
 from kvtier.events.streams import tenant_topic
 from kvtier.zmq_context import Context
 
@@ -60,6 +60,7 @@ class SubscriberStats:
     restarts: int = 0  # the publisher's sequence went backwards (it restarted)
     missed_batches: int = 0  # lost for good (see gaps)
     dropped_by_hook: int = 0  # fault injection: drop_next()
+    replays_refused: int = 0  # replay requests a kvtier publisher refused (a per-principal bound)
     gaps: list = field(default_factory=list)
 
 
@@ -245,8 +246,9 @@ class Subscriber:
             self._dealer.close()
             self._dealer = None
 
-    def _replay(self, first: int, last: int | None) -> list[tuple[int, bytes]] | None:
-        """Ask the ROUTER for seqs >= first; return (seq, payload) in [first, last], or None on timeout."""
+    def _replay(self, first: int, last: int | None) -> list[tuple[int, bytes]] | str | None:
+        """Ask the ROUTER for seqs >= first; return (seq, payload) in [first, last], None on timeout, or the
+        reason kvtier's replay port refused the request (its end marker's last frame: ``kvtier.events.replay``)."""
         if self._dealer is None:
             self._open_dealer()
         try:
@@ -272,6 +274,9 @@ class Subscriber:
                 self.stats.bad_frames += 1
                 continue
             if seq8 == END_SEQ:
+                if payload:  # kvtier's refusal (a vLLM publisher always ends with b"")
+                    self.stats.replays_refused += 1
+                    return payload.decode(errors="replace")
                 return got
             if len(seq8) != 8:
                 self.stats.bad_seq += 1
@@ -287,13 +292,13 @@ class Subscriber:
                 self._gap(first, last, "no replay endpoint to recover them from")
             return
         got = self._replay(first, last)
-        if got is None:
+        if got is None or isinstance(got, str):
+            why = f"replay {got}" if got else f"replay did not answer within {self.replay_timeout_seconds} s"
             if last is not None:
-                self._gap(first, last, f"replay did not answer within {self.replay_timeout_seconds} s")
+                self._gap(first, last, why)
             else:  # the publisher is not up yet: asked again while idle, or the first live batch's gap asks
                 if self._catch_up_at is None:
-                    log.warning("KV events: replay %s did not answer within %s s; catching up from seq %d once the "
-                                "publisher is back", self.replay_endpoint, self.replay_timeout_seconds, first)
+                    log.warning("KV events: %s (%s); catching up from seq %d later", why, self.replay_endpoint, first)
                 self._catch_up_at = time.monotonic() + max(CATCH_UP_RETRY_SECONDS, self.replay_timeout_seconds)
                 if self._last is None:
                     self._last = first - 1
