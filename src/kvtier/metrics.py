@@ -25,6 +25,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
     MetricSpec("kvtier_lookup_tokens_total", "counter", "Tokens asked about in lookups."),
     MetricSpec("kvtier_lookup_hit_tokens_total", "counter",
                "Leading tokens found by lookups, by the tier that held the chunk.", ("medium",)),
+    MetricSpec("kvtier_hashed_tokens_total", "counter",
+               "Prompt tokens hashed into chunk keys (a prompt's memoised prefix is not hashed again)."),
     MetricSpec("kvtier_store_chunks_total", "counter", "Chunks newly stored into L1."),
     MetricSpec("kvtier_retention_refused_chunks_total", "counter",
                "Chunks whose retention hint was refused: protected chunks would pass l1_retention_max_share, or the "

@@ -238,11 +238,11 @@ def test_unwritable_l2_path(tmp_path):
 
 def test_the_lookup_memo_is_bounded_in_bytes(tmp_path):
     cache = make_cache(tmp_path, disk=False, lookup_memo_max_bytes=200_000)
-    for i in range(50):  # distinct prompts of 64 chunks each
-        cache.lookup(list(range(i * 10_000, i * 10_000 + 64 * CHUNK)))
+    for i in range(50):  # distinct prompts of 64 chunks each, resolved as a store or a retrieve does (a lookup of a
+        cache.chunk_refs(list(range(i * 10_000, i * 10_000 + 64 * CHUNK)))  # new prompt hashes its first chunk only)
     memo = cache.tiers.memo
     assert 0 < memo.nbytes <= 200_000 and len(memo) < 50
-    cache.lookup(list(range(10**6, 10**6 + 4096 * CHUNK)))  # one prompt costing more than the whole budget
+    cache.chunk_refs(list(range(10**6, 10**6 + 4096 * CHUNK)))  # one prompt costing more than the whole budget
     assert memo.nbytes <= 200_000
     tokens = list(range(49 * 10_000, 49 * 10_000 + 64 * CHUNK))
     kv = kv_for(tokens)
@@ -320,4 +320,22 @@ def test_l2_writes_go_on_while_a_request_loop_never_waits(tmp_path):
     for i, tokens in enumerate(prompts):
         out, n = cache.retrieve(tokens)  # promoted from the disk: every chunk was written
         assert n == 4 * CHUNK and torch.equal(out, kv_for(tokens, seed=i))
+    cache.close()
+
+
+def test_a_chunked_prefill_hashes_its_prompt_once(tmp_path):
+    """Issue 38 finding 7: vLLM's connector asks about one request at several lengths: a lookup of the whole
+    prompt, a store after each chunked-prefill step (2k, 4k, ... 32k tokens), a prefetch and a load. Keyed by the
+    exact token array, that hashed 10x the prompt's tokens; keyed by whole-chunk prefixes, about once."""
+    cache = make_cache(tmp_path, disk=False)
+    prompt = list(range(7, 7 + 32768))
+    kv = kv_for(prompt)
+    assert cache.lookup(prompt) == 0
+    for end in range(2048, len(prompt) + 1, 2048):
+        assert cache.store(prompt[:end], kv[:, :, :end]) == 2048 // CHUNK
+    assert cache.lookup(prompt) == len(prompt) and cache.prefetch(prompt) == len(prompt)
+    with cache.retrieve_chunks(prompt[:16384]) as got:
+        assert got.num_tokens == 16384
+    hashed = cache.metrics.value("kvtier_hashed_tokens_total")
+    assert len(prompt) <= hashed <= 1.1 * len(prompt)
     cache.close()

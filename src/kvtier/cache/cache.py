@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from kvtier.backend import Fill, Retrieved, TierHits
+from kvtier.cache.lookups import Lookups, refs_from
 from kvtier.cache.prompt_keys import PromptKeys
 from kvtier.cache.tickets import ChunkRef, L1Slot, RetrieveTicket, StoreTicket
 from kvtier.cache.tiers import Tiers
@@ -64,66 +65,31 @@ class KVCache:
                 self.tiers.close()
             raise
         self.keys = PromptKeys(config, model, chunk_layout_id(layout.layout_id, config.chunk_size), namespace,
-                               self.tiers.memo)
+                               self.tiers.memo, self.metrics)
+        self.lookups = Lookups(self.keys, self.tiers, config.chunk_size)
 
-    # ---- keys --------------------------------------------------------------------------
+    # ---- keys and lookups ------------------------------------------------------------
     def chunk_refs(self, tokens, namespace: str | None = None, *, extra_keys=None,
                    hasher=prefix_hashes) -> tuple[np.ndarray, list[ChunkRef]]:
-        """``PromptKeys.chunk_refs`` (validated tokens and the prompt's memoised chunk refs)."""
+        """``PromptKeys.chunk_refs`` (validated tokens and the prompt's chunk refs, hashed once)."""
         return self.keys.chunk_refs(tokens, namespace, extra_keys=extra_keys, hasher=hasher)
 
-    def head_refs(self, tokens, namespace: str | None = None, *,
-                  extra_keys=None) -> tuple[np.ndarray, list[ChunkRef], bool]:
-        """``PromptKeys.head_refs`` (the memoised refs, or the first chunk's alone)."""
-        return self.keys.head_refs(tokens, namespace, extra_keys=extra_keys)
-
-    def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:
-        """``PromptKeys.memoised``."""
-        return self.keys.memoised(tokens, namespace, extra_keys=extra_keys)
+    def unhashed_tokens(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
+        """``PromptKeys.unhashed_tokens``."""
+        return self.keys.unhashed_tokens(tokens, namespace, extra_keys=extra_keys)
 
     @property
     def chunk_size(self) -> int:
         """Tokens per chunk (``config.chunk_size``)."""
         return self.config.chunk_size
 
-    def _from(self, refs: list[ChunkRef], start: int) -> list[ChunkRef]:
-        """The refs of the chunks from the one holding token ``start`` on (``KVBackend``'s ``start``)."""
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-            raise InputError(f"start must be an int >= 0 (a token offset), got {start!r}")
-        return refs[start // self.config.chunk_size:] if start else refs
-
-    # ---- lookup ------------------------------------------------------------------------
     def lookup(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> int:
         """Number of leading tokens whose KV is available (L1, then L2). Read-only: nothing is promoted."""
-        return self.lookup_tiers(tokens, namespace, extra_keys=extra_keys, start=start).num_tokens
+        return self.lookups.match(tokens, namespace, extra_keys=extra_keys, start=start).hits.num_tokens
 
     def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> TierHits:
-        """``lookup`` split by tier (``KVBackend.lookup_tiers``): leading tokens in L1, then in L2 after them.
-        Counted in the lookup metrics (``count_lookup``), from ``start``'s chunk on."""
-        arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
-        hits = self.tier_hits(refs, start)
-        self.count_lookup(len(arr), refs, start, hits)
-        return hits
-
-    def tier_hits(self, refs: list[ChunkRef], start: int = 0, *, probe: bool = True) -> TierHits:
-        """The ``TierHits`` of a prompt's ``refs`` (``chunk_refs``) from ``start``'s chunk on, not counted: L1 asked
-        once (one lock), then the L2 indexes once about the chunks after L1's (``L2Tier.lookup``; ``probe``: names
-        past the indexed prefix are probed in the background). Raises InputError for a bad ``start``."""
-        refs = self._from(refs, start)
-        n_l1 = self.l1.leading([r.key for r in refs])
-        n_l2 = self.l2.lookup([r.key for r in refs[n_l1:]], probe=probe) if n_l1 < len(refs) else 0
-        return TierHits(refs[n_l1 + n_l2 - 1].end if n_l1 + n_l2 else 0, refs[n_l1 - 1].end if n_l1 else 0)
-
-    def count_lookup(self, num_tokens: int, refs: list[ChunkRef], start: int, hits: TierHits) -> None:
-        """Count one lookup of a ``num_tokens`` prompt answered ``hits`` (``tier_hits`` of ``refs`` and ``start``):
-        ``kvtier_lookup_hit_tokens_total`` by medium (CPU, STORAGE) from ``start``'s chunk on."""
-        refs = self._from(refs, start)
-        base = refs[0].start if refs else 0
-        l1_tokens, total = hits.num_l1_tokens, hits.num_tokens
-        self.metrics.inc_many((("kvtier_lookup_requests_total", 1, ()), ("kvtier_lookup_tokens_total", num_tokens, ()),
-                               ("kvtier_lookup_hit_tokens_total", max(0, l1_tokens - base), ("CPU",)),
-                               ("kvtier_lookup_hit_tokens_total", total - max(l1_tokens, base if total else 0),
-                                ("STORAGE",))))
+        """``lookup`` split by tier (``KVBackend.lookup_tiers``; ``Lookups.match``, counted)."""
+        return self.lookups.match(tokens, namespace, extra_keys=extra_keys, start=start).hits
 
     # ---- store -------------------------------------------------------------------------
     def begin_store(self, tokens, namespace: str | None = None, *, extra_keys=None,
@@ -136,7 +102,7 @@ class KVCache:
         ``retention_max_ttl_seconds``, and what ``chunk_refs`` raises."""
         check_ttl_bound(hint, self.config.retention_max_ttl_seconds)
         arr, prompt_refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
-        refs = self._from(prompt_refs, start)
+        refs = refs_from(prompt_refs, start, self.chunk_size)
         ticket = StoreTicket(arr, refs, hint=hint)
         if hint is not None and hint.protects and len(refs) < len(prompt_refs):
             ticket.hinted_before = [ref.key for ref in prompt_refs[:len(prompt_refs) - len(refs)]]
@@ -259,7 +225,7 @@ class KVCache:
         A chunk gone from L2 (evicted, deleted) ends the prefix: a miss, never an error. Raises InputError for
         bad tokens. ``start``: as for ``KVBackend``, from that token's chunk on."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
-        refs = self._from(refs, start)
+        refs = refs_from(refs, start, self.chunk_size)
         n = self.l1_prefix(refs)
         if n < len(refs) and self.l2.adapters:
             n += self._promote(arr, refs, n)
@@ -270,7 +236,7 @@ class KVCache:
         """Pin the leading available chunks (from ``start``'s chunk on) in L1, promoting L2 hits into L1 first
         (unless ``promote`` is False: then only what L1 holds now, with no L2 access)."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
-        refs = self._from(refs, start)
+        refs = refs_from(refs, start, self.chunk_size)
         n = self.l1_prefix(refs)
         if promote and n < len(refs) and self.l2.adapters:
             n += self._promote(arr, refs, n)

@@ -40,7 +40,7 @@ class DataOps:
         tiers: the shared ``Tiers`` (L1 slots are reserved and pinned here; L2 is only asked through its index).
         sessions: the server's sessions by connection identity (read only here: a promotion's client may be gone).
         limits, quarantine: the server's ``ClientLimits`` and ``LeaseQuarantine`` (``server/limits.py``).
-        promoter, lookups: the promotion pool and the lookup prober (``server/promote.py``, ``server/lookup.py``).
+        promoter, lookups: the promotion pool and the lookup requests' part (``server/promote.py``, ``server/lookup.py``).
         lock: the server's lock (``answer_promotions`` runs outside the request dispatch and takes it).
         send: ``send(identity, reply, frames)``, the server's reply path.
         trace: the server's ``TraceRecorder`` (``server/trace.py``): told every answered lookup and prefetch,
@@ -222,7 +222,7 @@ class DataOps:
                     continue
                 if job.joined and not timed_out and self._promote_later(job.identity, job.session, job.msg, job):
                     continue  # the promotion it waited for left part of its prompt in L2 only: read that now
-                handler = {P.RetrieveBegin: self._retrieve_reply, P.Lookup: self.lookup_reply}.get(
+                handler = {P.RetrieveBegin: self._retrieve_reply, P.Lookup: self.lookups.reply}.get(
                     type(job.msg), self._prefetch_reply)
                 try:
                     replies.append((job.identity, *handler(job.identity, job.session, job.msg, job.started)))
@@ -230,19 +230,6 @@ class DataOps:
                     replies.append((job.identity, error_reply(job.msg, "bad_request", str(exc)), []))
         for identity, reply, out in replies:
             self._send(identity, reply, out)
-
-    def lookup(self, identity, session, msg, payload):
-        """A ``Lookup``, answered now or deferred for a probe of a shared L2 (``LookupProber.answer``: None), recorded
-        in the trace."""
-        reply = self.lookups.answer(identity, session, msg)
-        self.trace.lookup(identity, session, msg, reply)
-        return reply, []
-
-    def lookup_reply(self, identity, session, msg, started: float = 0.0):
-        """``LookupProber.reply`` (the answer from L1 and the indexes after a probe), recorded in the trace."""
-        reply, out = self.lookups.reply(identity, session, msg, started)
-        self.trace.lookup(identity, session, msg, reply)
-        return reply, out
 
     def prefetch(self, identity, session, msg, payload):
         self.metrics.inc("kvtier_prefetch_requests_total")

@@ -50,6 +50,7 @@ class HashJob(msgspec.Struct, tag="job"):
     seed: str
     extra_keys: list | None = None
     include_partial: bool = False
+    parent: bytes | None = None  # the digest before tokens[0] (None: the root hash)
 
 
 class HashDone(msgspec.Struct, tag="done"):
@@ -132,13 +133,13 @@ class HashProcess:
         self._decoder = msgspec.msgpack.Decoder(HashDone | HashFailed)
 
     def prefix_hashes(self, tokens: np.ndarray, block_size: int, algorithm: str, seed: str, extra_keys=None, *,
-                      include_partial: bool = False) -> list[bytes]:
+                      include_partial: bool = False, parent: bytes | None = None) -> list[bytes]:
         """``hashing.prefix_hashes`` computed by the child; ``tokens`` is an int64 array, ``extra_keys`` as checked
         by ``extra_keys.check_extra_keys``. Raises InputError as ``prefix_hashes`` does, HashProcessError when the
         child is not available (the caller hashes in process)."""
         proc = self._running()
         job = HashJob(np.ascontiguousarray(tokens, "<i8").tobytes(), block_size, algorithm, seed,
-                      None if extra_keys is None else list(extra_keys), include_partial)
+                      None if extra_keys is None else list(extra_keys), include_partial, parent)
         try:
             deadline = time.monotonic() + self.reply_timeout_seconds
             _write_by(proc.stdin.fileno(), self._encoder.encode(job), deadline)
@@ -207,7 +208,7 @@ def main() -> None:
             job = decoder.decode(body)
             extra = None if job.extra_keys is None else refreeze_extra_keys(job.extra_keys)
             reply = HashDone(prefix_hashes(np.frombuffer(job.tokens, "<i8"), job.block_size, job.algorithm, job.seed, extra,
-                                           include_partial=job.include_partial))
+                                           include_partial=job.include_partial, parent=job.parent))
         except Exception as exc:  # noqa: BLE001 -- every job gets its answer; the server raises it as InputError
             reply = HashFailed(f"{exc}")
         _write(stdout, encoder.encode(reply))

@@ -1,12 +1,18 @@
-"""Lookups over an L2 that other servers write to: the server probes it before answering, off the request thread.
+"""LookupRequests: the server's part for ``Lookup`` requests (its handler, ``on_lookup``, is in the server's table).
 
-The request thread answers a ``Lookup`` from L1 and the L2 adapters' in-memory indexes, never from L2 I/O
-(a slow adapter must not stall every client). An index can lag behind a shared store: a record that another
-kvtier server wrote into the same Redis, bucket or container is unknown here until I/O finds it, so the first
-lookup of a prompt stored through another node would miss and only a later one (after the background probe,
-``l2.index``) would hit: a router and an engine would recompute a prompt the fleet holds. So a lookup is
-*deferred* when all of these hold (``answer`` resolves the prompt and asks L1 and the indexes once, then either
-answers or starts the probe):
+The answer is ``KVCache``'s lookup policy (``cache/lookups.py``: the prompt's known chunks first, the rest hashed
+only when every known chunk is held), computed on the request thread from L1 and the L2 adapters' in-memory
+indexes, never from L2 I/O (a slow adapter must not stall every client). Two things defer a reply:
+
+*Long prompts.* When the known chunks are all held and the rest of the prompt has at least
+``server.hash_offload_min_tokens`` tokens to hash, the request is handed to the hashing worker
+(``server/prehash.py``), as a long store or retrieve is before dispatch, and answered when its refs are memoised.
+
+*An L2 that other servers write to.* An index can lag behind a shared store: a record that another kvtier server
+wrote into the same Redis, bucket or container is unknown here until I/O finds it, so the first lookup of a
+prompt stored through another node would miss and only a later one (after the background probe, ``l2.index``)
+would hit: a router and an engine would recompute a prompt the fleet holds. So a lookup is *deferred* when all
+of these hold:
 
 - some adapter's index may lag (``L2Adapter.index_may_lag``: Redis, S3, Azure Blob; not local_disk or memory,
   whose writes this process sees);
@@ -15,8 +21,8 @@ answers or starts the probe):
 
 Then a job on the promotion pool (``server.promote``) asks the adapters about the next chunks (``L2Tier.probe``,
 at most ``PROBE_NAMES``; what they find joins their indexes) and the request thread answers from L1 and the
-indexes when the job is done or its deadline passes, whichever comes first. The answer is computed, and its
-lookup metrics counted, once: at reply time (``reply``).
+indexes when the job is done or its deadline passes, whichever comes first. Every answer is computed, and its
+lookup metrics counted, once: at reply time; and recorded in the trace.
 
 Faults: a probe past its deadline gets the indexes' answer and counts ``kvtier_lookup_probe_timeouts_total``;
 while such a probe is still stuck in an adapter, later lookups are answered at once and counted in
@@ -37,51 +43,61 @@ from kvtier.cache import Tiers
 from kvtier.l2.index import PROBE_NAMES
 from kvtier.metrics import Metrics
 from kvtier.server.promote import Job, Promoter
+from kvtier.server.session import limited_reply
 
 log = logging.getLogger(__name__)
 
 
-class LookupProber:
-    """Defers lookups that a lagging L2 index may answer short (see the module docstring).
+class LookupRequests:
+    """Answers ``Lookup`` requests, deferring those a long prompt or a lagging L2 index needs (module docstring).
 
     Args:
         tiers: the server's tiers (L2 indexes and probes).
         promoter: the promotion pool the probes run on.
+        prehash: the hashing worker (``Prehasher``) long prompts are handed to.
         timeout_seconds: ``server.lookup_probe_timeout_seconds``; 0 disables the probes.
         metrics: where probes, timeouts and skips are counted.
+        trace: the server's ``TraceRecorder``: told every answered lookup.
     """
 
-    def __init__(self, tiers: Tiers, promoter: Promoter, timeout_seconds: float, metrics: Metrics):
+    def __init__(self, tiers: Tiers, promoter: Promoter, prehash, timeout_seconds: float, metrics: Metrics, trace):
         self.l2 = tiers.l2
-        self.promoter = promoter
+        self.promoter, self.prehash, self.trace = promoter, prehash, trace
         self.timeout_seconds = timeout_seconds
         self.metrics = metrics
         self.enabled = timeout_seconds > 0 and self.l2.index_may_lag
         self._stuck: list[Job] = []  # probes answered by their deadline whose worker has not returned yet
 
-    def answer(self, identity: bytes, session, msg: P.Lookup) -> P.LookupReply | None:
-        """The reply to ``msg`` now, or None when a probe was started (then ``reply`` answers it later). The prompt
-        is resolved once (``chunk_refs``, memoised), L1 and the indexes are asked once; the answer is counted in
-        the lookup metrics. Without probes, a prompt not in the memo is first asked about by its first chunk
-        alone (``head_refs``): when no tier holds it, the answer is 0 and the rest of the prompt is never hashed
-        (a new prompt's lookup costs one chunk's hashing, not the whole prompt's). Raises InputError on bad
-        input."""
+    def on_lookup(self, identity: bytes, session, msg: P.Lookup, payload) -> tuple[P.LookupReply | None, list]:
+        """The handler of ``Lookup``: its reply now, or None (deferred: ``Prehasher``, ``reply`` after a probe).
+        Raises InputError on bad input."""
+        reply = self.answer(identity, session, msg)
+        if reply is not None:
+            self.trace.lookup(identity, session, msg, reply)
+        return reply, []
+
+    def answer(self, identity: bytes, session, msg: P.Lookup) -> P.LookupReply | P.Error | None:
+        """The reply to ``msg`` now, or None when it was deferred (module docstring). The answer is ``KVCache``'s
+        lookup policy; with probes it is computed over every chunk's refs, the ones not held probed. Counted in
+        the lookup metrics once. Raises InputError on bad input."""
         cache = session.cache
-        hits = None
-        if not self.enabled and msg.start < cache.chunk_size:  # a new prompt: its first chunk is asked about first
-            arr, refs, whole = session.head_refs(msg)
-            hits = cache.tier_hits(refs, msg.start)  # validates start
-            if hits.num_tokens and not whole:  # held: every chunk is needed
-                hits = None
-        if hits is None:
-            arr, refs = session.chunk_refs(msg)
-            hits = cache.tier_hits(refs, msg.start, probe=not self.enabled)  # validates start
+        tokens, namespace = session.prompt(msg)
+        found = cache.lookups.match(tokens, namespace, extra_keys=msg.extra_keys, start=msg.start,
+                                    probe=not self.enabled, whole=self.enabled, count=False, extend=False)
+        if found.partial:  # every known chunk is held: the rest of the prompt is needed
+            parked = self.prehash.park(identity, session, msg)
+            if parked is True:
+                return None
+            if parked:
+                return limited_reply(self.metrics, msg, "hash_jobs", parked)
+            found = cache.lookups.match(tokens, namespace, extra_keys=msg.extra_keys, start=msg.start, count=False)
+        hits, refs = found.hits, found.refs
         rest = [r.key for r in refs[msg.start // cache.chunk_size:] if r.end > hits.num_tokens] if self.enabled else ()
         if rest:  # not held, over an L2 whose index may lag
             if self._probe(identity, session, msg, rest[:PROBE_NAMES]):
                 return None
-            hits = cache.tier_hits(refs, msg.start)  # the probe skipped: the index's own background probe then
-        cache.count_lookup(len(arr), refs, msg.start, hits)
+            hits = cache.lookups.tier_hits(refs, msg.start)  # the probe skipped: the index's own background probe then
+        cache.lookups.count(len(found.tokens), refs, msg.start, hits)
         return P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens)
 
     def _probe(self, identity: bytes, session, msg: P.Lookup, keys: list) -> bool:
@@ -99,10 +115,12 @@ class LookupProber:
         return True
 
     def reply(self, identity: bytes, session, msg: P.Lookup, started: float = 0.0) -> tuple[P.LookupReply, list]:
-        """The answer from L1 and the indexes after a probe (counted in the lookup metrics); the promotion pool's
-        reply signature (``identity`` and ``started`` unused)."""
+        """The answer from L1 and the indexes after a probe (counted in the lookup metrics, recorded in the trace);
+        the promotion pool's reply signature (``started`` unused)."""
         hits = session.cache.lookup_tiers(*session.prompt(msg), extra_keys=msg.extra_keys, start=msg.start)
-        return P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens), []
+        reply = P.LookupReply(id=msg.id, num_tokens=hits.num_tokens, num_l1_tokens=hits.num_l1_tokens)
+        self.trace.lookup(identity, session, msg, reply)
+        return reply, []
 
     def timed_out(self, job: Job) -> None:
         """``job``'s deadline passed before its probe returned: count it; remember it while its worker is busy."""

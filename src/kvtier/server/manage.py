@@ -193,7 +193,7 @@ class Management:
         cache = caches[0]
         try:
             arr = as_token_array(tokens)
-            if memo_only and not cache.memoised(arr, namespace, extra_keys=extra_keys):
+            if memo_only and cache.unhashed_tokens(arr, namespace, extra_keys=extra_keys):
                 return None
             long = len(arr) >= self.server.config.server.hash_offload_min_tokens
             _, refs = cache.chunk_refs(arr, namespace, extra_keys=extra_keys,

@@ -2,7 +2,8 @@
 
 Hashing a prompt (``KVCache.chunk_refs``) costs about 0.25 µs per token on the request thread; one hostile (or
 just long) prompt would hold every other client for that long. A request whose prompt has at least
-``server.hash_offload_min_tokens`` tokens and is not in the lookup memo is parked here instead: the worker
+``server.hash_offload_min_tokens`` tokens to hash (those after its longest prefix in the lookup memo:
+``PromptKeys.unhashed_tokens``) is parked here instead: the worker
 computes its chunk refs (which puts them in the memo) and the request loop then handles the request as usual,
 now without hashing. The block hashing itself runs in a child process at a lower CPU priority
 (``server/hashproc.py``): the worker thread waits on its pipe without the GIL, so a stream of long prompts does
@@ -71,14 +72,14 @@ class Prehasher:
         return self._wakeup.fileno()
 
     def park(self, identity: bytes, session, msg) -> bool | str:
-        """Park ``msg`` (a request with ``tokens``) when its prompt is long and not memoised: True (the caller
+        """Park ``msg`` (a request with ``tokens``) when its prompt has many tokens to hash: True (the caller
         answers later, from ``take_ready``), False (handle it now), or a refusal message (too many parked)."""
         tokens = getattr(msg, "tokens", None)
-        if tokens is None or len(tokens) // 8 < (self.store_min_tokens if isinstance(msg, P.StoreBegin) else
-                                                 self.min_tokens):
+        min_tokens = self.store_min_tokens if isinstance(msg, P.StoreBegin) else self.min_tokens
+        if tokens is None or len(tokens) // 8 < min_tokens:
             return False
         try:
-            if session.cache.memoised(*session.prompt(msg), extra_keys=msg.extra_keys):
+            if session.cache.unhashed_tokens(*session.prompt(msg), extra_keys=msg.extra_keys) < min_tokens:
                 return False
         except KVTierError:
             return False  # the handler answers the bad input

@@ -38,7 +38,7 @@ from kvtier.proc import host_id, pid_start_time
 from kvtier.server.collector import IdleCollector
 from kvtier.server.dataops import DataOps
 from kvtier.server.flushes import Flushes
-from kvtier.server.lookup import LookupProber
+from kvtier.server.lookup import LookupRequests
 from kvtier.server.manage import KnownCaches
 from kvtier.server.prehash import Prehasher
 from kvtier.server.promote import Job, Promoter
@@ -118,7 +118,8 @@ class KVTierServer:
         self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
         self.prehash = Prehasher(srv.hash_offload_min_tokens, srv.max_hash_jobs, srv.promote_timeout_seconds,
                                   self.metrics, store_min_tokens=srv.store_hash_offload_min_tokens)
-        self.lookups = LookupProber(self.tiers, self.promoter, srv.lookup_probe_timeout_seconds, self.metrics)
+        self.lookups = LookupRequests(self.tiers, self.promoter, self.prehash, srv.lookup_probe_timeout_seconds,
+                                      self.metrics, self.trace)
         self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
         self.principals = Principals(self.limits)
         self.quarantine = LeaseQuarantine(self.tiers.l1, self.metrics)
@@ -126,7 +127,7 @@ class KVTierServer:
         self.data = DataOps(config, self.metrics, self.tiers, self.sessions, self.limits, self.quarantine, self.promoter,
                             self.lookups, self.lock, self._send, self.trace)
         self._handlers = {P.Ping: self._on_ping, P.Bye: self._on_bye, P.Stats: self._on_stats, P.Clear: self._on_clear,
-                          P.Flush: self.flushes.on_flush, P.Lookup: self.data.lookup, P.StoreBegin: self.data.store_begin,
+                          P.Flush: self.flushes.on_flush, P.Lookup: self.lookups.on_lookup, P.StoreBegin: self.data.store_begin,
                           P.StoreCommit: self.data.store_commit, P.RetrieveBegin: self.data.retrieve_begin,
                           P.RetrieveEnd: self.data.retrieve_end, P.Prefetch: self.data.prefetch}
         self.collector = IdleCollector()
@@ -258,7 +259,8 @@ class KVTierServer:
             if namespace is not None and (refusal := identity_refusal(self.config.server, namespace=namespace)):
                 self.metrics.inc("kvtier_client_limit_exceeded_total", limit="namespace_bytes")
                 return error_reply(msg, "too_large", refusal), []
-            if not hashed and (parked := self.prehash.park(identity, session, msg)):  # a long prompt: hashed first
+            # a long prompt: hashed first (a lookup parks itself when it needs more than its first chunks)
+            if not hashed and not isinstance(msg, P.Lookup) and (parked := self.prehash.park(identity, session, msg)):
                 return (None, []) if parked is True else (limited_reply(self.metrics, msg, "hash_jobs", parked), [])
             return self._handlers[type(msg)](identity, session, msg, payload)
         except KVTierError as exc:

@@ -63,10 +63,6 @@ class Session:
         requests about one prompt hash it once. Raises InputError on bad tokens or extra keys."""
         return self.cache.chunk_refs(*self.prompt(msg), extra_keys=msg.extra_keys, hasher=hasher)
 
-    def head_refs(self, msg) -> tuple[np.ndarray, list[ChunkRef], bool]:
-        """``KVCache.head_refs`` of a request's prompt: its memoised refs, or its first chunk's alone."""
-        return self.cache.head_refs(*self.prompt(msg), extra_keys=msg.extra_keys)
-
 
 def scoped_namespace(tenant: str | None, namespace: str | None) -> str | None:
     """``namespace`` as the server keys it for a client of ``tenant``: the tenant's own, whatever it names."""

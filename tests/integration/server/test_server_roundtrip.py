@@ -118,3 +118,24 @@ def test_flush_and_clear_by_medium(tmp_path):
         from kvtier.errors import InputError
         with pytest.raises(InputError, match="medium"):
             client.clear("GPU")
+
+
+def test_a_chunked_prefill_is_hashed_once_by_the_server(server):
+    """Issue 38 finding 7, through the server as vLLM's connector drives it: a lookup of the whole 32k-token
+    prompt, 16 chunked-prefill stores (long ones hashed by the server's hashing worker), a prefetch and a load."""
+    from support.server import metric_value
+
+    def hashed() -> float:
+        return metric_value(server.metrics_text(), "kvtier_hashed_tokens_total") or 0.0
+
+    with Client(server.url, model="hash-once", layout=LAYOUT) as client:
+        prompt = list(range(5, 5 + 32768))
+        kv = kv_for(len(prompt), seed=3)
+        before = hashed()
+        assert client.lookup(prompt) == 0
+        for end in range(2048, len(prompt) + 1, 2048):
+            assert client.store(prompt[:end], kv[:, :, :end]) == 2048 // CHUNK
+        assert client.lookup(prompt) == len(prompt) and client.prefetch(prompt, wait=True) == len(prompt)
+        with client.retrieve_chunks(prompt[:16384]) as got:
+            assert got.num_tokens == 16384
+        assert len(prompt) <= hashed() - before <= 1.1 * len(prompt)
