@@ -1,7 +1,7 @@
 """Every kvtier metric, in one table, with exact in-process values.
 
 Values are kept here (thread-safe) so counters are exact and testable without a scrape. The server
-exposes them through OpenTelemetry meters and the Prometheus exporter (``kvtier.server.telemetry``).
+exposes them through OpenTelemetry meters and the Prometheus exporter (``kvtier.server.admin.telemetry``).
 """
 
 from __future__ import annotations

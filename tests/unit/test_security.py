@@ -23,7 +23,7 @@ from kvtier.auth.secret_file import (
 )
 from kvtier.errors import ConfigError
 from kvtier.keys import namespace_of, tenant_namespace
-from kvtier.server.admin import redact
+from kvtier.server.admin.status import redact
 
 SECRET = "0123456789abcdef" * 4
 

@@ -124,7 +124,7 @@ class ServerConfig(_Section):
     port: int = Field(5555, ge=0, le=65535)
     admin_host: str = "127.0.0.1"
     admin_port: int = Field(8080, ge=0, le=65535)
-    # DNS names the admin HTTP answers to besides IP addresses and localhost (against DNS rebinding: server/admin.py)
+    # DNS names the admin HTTP answers to besides IP addresses and localhost (against DNS rebinding: server/admin/http.py)
     admin_allowed_hosts: list[str] = []
     admin_token: pydantic.SecretStr | None = None
     allow_unauthenticated_admin: Bool = False  # with no admin_token: accept mutations (clear) from anyone who connects

@@ -117,9 +117,9 @@ def server(host, port, admin_host, admin_port, l1_size_gb, eviction_policy, chun
 def run(config, log_level: str = "INFO") -> None:
     """Start the server and admin HTTP, serve until SIGINT/SIGTERM, then shut down cleanly."""
     from kvtier.auth.keyring import log_auth
-    from kvtier.server.admin import AdminHTTP
+    from kvtier.server.admin.http import AdminHTTP
     from kvtier.server.server import KVTierServer
-    from kvtier.server.telemetry import Telemetry
+    from kvtier.server.admin.telemetry import Telemetry
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvtier.server")

@@ -20,15 +20,54 @@ import heapq
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from kvtier import protocol as P
 from kvtier.errors import KVTierError
 from kvtier.hints import check_hint
-from kvtier.server.promote import Job
-from kvtier.server.limits import ExpiryLog
-from kvtier.server.session import Lease, Session, check_frames, error_reply, frame_budget, limited_reply
+from kvtier.cache import KVCache
+from kvtier.server.connections import Connection
+from kvtier.server.jobs import Job
+from kvtier.server.limits import ClientUsage, ExpiryLog
+from kvtier.server.replies import error_reply, limited_reply
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Lease:
+    """L1 slots handed to a client (reserved for a store, pinned for a retrieve) until ``deadline``."""
+
+    kind: str  # "store" | "retrieve"
+    identity: bytes
+    cache: KVCache
+    ticket: object
+    shm: bool
+    started: float
+    deadline: float
+    slots: list = field(default_factory=list)
+    usage: ClientUsage | None = None  # the owner's, released with the lease
+    nbytes: int = 0  # reserved bytes (store)
+
+
+def frame_budget(slots, max_message_bytes: int) -> int:
+    """How many leading ``slots`` fit in one message of ``max_message_bytes`` (KV frames)."""
+    total = 0
+    for i, slot in enumerate(slots):
+        total += slot.nbytes
+        if total > max_message_bytes:
+            return i
+    return len(slots)
+
+
+def check_frames(payload: list, slots: list) -> str:
+    """Why a frames ``StoreCommit``'s ``payload`` does not fit its ``slots`` ("" when it does)."""
+    if len(payload) != len(slots):
+        return f"expected {len(slots)} payload frames (one per slot), got {len(payload)}"
+    for i, (frame, slot) in enumerate(zip(payload, slots)):
+        if len(frame) != slot.nbytes:
+            return f"frame {i} holds {len(frame)} bytes; slot {slot.chunk_index} needs {slot.nbytes}"
+    return ""
 
 
 class DataOps:
@@ -38,9 +77,9 @@ class DataOps:
         config: the server's configuration (``config.server``: lease, promotion and message bounds).
         metrics: the server's metrics (counted here: store / retrieve seconds, lease expiries, promotions).
         tiers: the shared ``Tiers`` (L1 slots are reserved and pinned here; L2 is only asked through its index).
-        sessions: the server's sessions by connection identity (read only here: a promotion's client may be gone).
+        connections: the server's ``Connections`` (``get`` only here: a promotion's client may be gone).
         limits, quarantine: the server's ``ClientLimits`` and ``LeaseQuarantine`` (``server/limits.py``).
-        promoter, lookups: the promotion pool and the lookup requests' part (``server/promote.py``, ``server/lookup.py``).
+        pool, lookups: the job pool and the lookup requests' part (``server/jobs.py``, ``server/lookup.py``).
         lock: the server's lock (``answer_promotions`` runs outside the request dispatch and takes it).
         send: ``send(identity, reply, frames)``, the server's reply path.
         trace: the server's ``TraceRecorder`` (``server/trace.py``): told every answered lookup and prefetch,
@@ -50,10 +89,10 @@ class DataOps:
     recently expired tickets.
     """
 
-    def __init__(self, config, metrics, tiers, sessions: dict[bytes, Session], limits, quarantine, promoter, lookups,
+    def __init__(self, config, metrics, tiers, connections, limits, quarantine, pool, lookups,
                  lock, send, trace) -> None:
-        self.config, self.metrics, self.tiers, self.sessions = config, metrics, tiers, sessions
-        self.limits, self.quarantine, self.promoter, self.lookups = limits, quarantine, promoter, lookups
+        self.config, self.metrics, self.tiers, self.connections = config, metrics, tiers, connections
+        self.limits, self.quarantine, self.pool, self.lookups = limits, quarantine, pool, lookups
         self.lock, self._send, self.trace = lock, send, trace
         self.leases: dict[int, Lease] = {}
         # (deadline, ticket) of every lease, ended ones too until their deadline: expiry never scans all leases
@@ -76,7 +115,7 @@ class DataOps:
         for ticket in list(self.leases):
             self._end_lease(self._pop_lease(ticket), ok=False)
 
-    def _new_lease(self, kind: str, identity: bytes, session: Session, ticket, shm: bool, slots, started: float) -> int:
+    def _new_lease(self, kind: str, identity: bytes, session: Connection, ticket, shm: bool, slots, started: float) -> int:
         tid = self._next_ticket
         self._next_ticket += 1
         nbytes = ticket.nbytes if kind == "store" else 0
@@ -180,7 +219,7 @@ class DataOps:
 
     def _promote_later(self, identity, session, msg, after: Job | None = None) -> bool:
         """Hand the promotion of the L2-only chunks of ``msg.tokens`` to the pool when an L2 index holds the
-        first chunk L1 lacks; it joins a promotion already reading that chunk (``Promoter.submit``). True: the
+        first chunk L1 lacks; it joins a promotion already reading that chunk (``JobPool.submit``). True: the
         reply is deferred (``answer_promotions``). ``after``: the job this request followed, now finished
         (its start and deadline are kept: what that promotion did not bring is read now)."""
         cache = session.cache
@@ -197,7 +236,7 @@ class DataOps:
         if deadline <= now:
             return False
         job = Job(identity, msg, session, started, deadline)
-        if self.promoter.submit(job, lambda: cache.prefetch(tokens, namespace, extra_keys=msg.extra_keys,
+        if self.pool.submit(job, lambda: cache.prefetch(tokens, namespace, extra_keys=msg.extra_keys,
                                                             start=start), key=refs[n].key):
             if job.joined:
                 self.metrics.inc("kvtier_l2_promotions_joined_total")
@@ -218,7 +257,7 @@ class DataOps:
                     self.metrics.inc("kvtier_l2_promote_timeouts_total")
                     log.warning("L2 promotion for %s not done after %.1f s: answered from L1",
                                 type(job.msg).__name__, self.config.server.promote_timeout_seconds)
-                if self.sessions.get(job.identity) is not job.session:  # said Bye, went idle, or said Hello again
+                if self.connections.get(job.identity) is not job.session:  # said Bye, went idle, or said Hello again
                     continue
                 if job.joined and not timed_out and self._promote_later(job.identity, job.session, job.msg, job):
                     continue  # the promotion it waited for left part of its prompt in L2 only: read that now
@@ -290,7 +329,7 @@ class DataOps:
         self.trace.end(lease.ticket, ok)
         if lease.kind == "store":
             if not ok and lease.shm and tid:  # expired: the client may still be writing into these slots
-                session = self.sessions.get(lease.identity)
+                session = self.connections.get(lease.identity)
                 pid, start = (session.pid, session.pid_start) if session is not None else (0, None)
                 self.quarantine.add(lease.identity, tid, pid, start, lease.cache.quarantine_store(lease.ticket),
                                     lease.usage)

@@ -101,11 +101,24 @@ class Bounds:
     unread_bytes: int | None = None
 
 
+def identity_refusal(srv, *, model: str | None = None, namespace: str | None = None) -> str | None:
+    """Why a model id or namespace (a Hello's, or a request's namespace) is refused: longer in UTF-8 than
+    ``server.max_model_id_bytes`` / ``max_namespace_bytes`` (``srv``: the ``server`` config), which bound what the
+    server keeps of every identity it was ever told; None when both fit."""
+    for what, value, key in (("model id", model, "max_model_id_bytes"), ("namespace", namespace, "max_namespace_bytes")):
+        bound = getattr(srv, key)
+        if value is not None and len(value.encode()) > bound:
+            return (f"{what} of {len(value.encode())} bytes exceeds server.{key} ({bound}): name the model by its "
+                    "weights' identity (kvtier.identity.model_identity) and the namespace by keys.namespace_of")
+    return None
+
+
 class ClientLimits:
     """The per-client, per-principal and server-wide bounds of ``server`` config. Each ``check_*`` returns
     None or (limit label, refusal message naming the bound and its config key)."""
 
     def __init__(self, srv: ServerConfig, l1_capacity_bytes: int):
+        self.srv = srv
         self.enabled = srv.client_limits
         self.max_prompt_tokens = srv.max_prompt_tokens
         self.max_connections_per_principal = srv.max_connections_per_principal
@@ -120,6 +133,22 @@ class ClientLimits:
                    int(srv.max_reserved_fraction_all_clients * l1_capacity_bytes)),
         )
         self.max_reserved_bytes = self.levels[0].reserved_bytes
+
+    def check_request(self, msg, usage: ClientUsage) -> tuple[str, str, str] | None:
+        """``(error code, limit label, message naming the bound)`` when a request of a client with ``usage`` is
+        refused before it is handled: past its in-flight bounds (``limit_exceeded``), a prompt over
+        ``server.max_prompt_tokens`` or a namespace over ``server.max_namespace_bytes`` (``too_large``, the latter
+        also with ``client_limits`` off: identities are kept); None when it may be handled."""
+        refusal = self.check_inflight(usage)
+        if refusal:
+            return ("limit_exceeded", *refusal)
+        tokens = getattr(msg, "tokens", None)
+        if tokens is not None and (message := self.check_prompt(tokens)):
+            return "too_large", "prompt_tokens", message
+        namespace = getattr(msg, "namespace", None)
+        if namespace is not None and (message := identity_refusal(self.srv, namespace=namespace)):
+            return "too_large", "namespace_bytes", message
+        return None
 
     def check_prompt(self, tokens_field: bytes) -> str | None:
         num_tokens = len(tokens_field) // 8

@@ -19,7 +19,7 @@ of these hold:
 - ``server.lookup_probe_timeout_seconds`` > 0;
 - L1 plus the indexes answer short of the prompt's last chunk.
 
-Then a job on the promotion pool (``server.promote``) asks the adapters about the next chunks (``L2Tier.probe``,
+Then a job on the server's job pool (``server/jobs.py``) asks the adapters about the next chunks (``L2Tier.probe``,
 at most ``PROBE_NAMES``; what they find joins their indexes) and the request thread answers from L1 and the
 indexes when the job is done or its deadline passes, whichever comes first. Every answer is computed, and its
 lookup metrics counted, once: at reply time; and recorded in the trace.
@@ -42,8 +42,8 @@ from kvtier import protocol as P
 from kvtier.cache import Tiers
 from kvtier.l2.index import PROBE_NAMES
 from kvtier.metrics import Metrics
-from kvtier.server.promote import Job, Promoter
-from kvtier.server.session import limited_reply
+from kvtier.server.jobs import Job, JobPool
+from kvtier.server.replies import limited_reply
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +53,16 @@ class LookupRequests:
 
     Args:
         tiers: the server's tiers (L2 indexes and probes).
-        promoter: the promotion pool the probes run on.
+        pool: the job pool the probes run on.
         prehash: the hashing worker (``Prehasher``) long prompts are handed to.
         timeout_seconds: ``server.lookup_probe_timeout_seconds``; 0 disables the probes.
         metrics: where probes, timeouts and skips are counted.
         trace: the server's ``TraceRecorder``: told every answered lookup.
     """
 
-    def __init__(self, tiers: Tiers, promoter: Promoter, prehash, timeout_seconds: float, metrics: Metrics, trace):
+    def __init__(self, tiers: Tiers, pool: JobPool, prehash, timeout_seconds: float, metrics: Metrics, trace):
         self.l2 = tiers.l2
-        self.promoter, self.prehash, self.trace = promoter, prehash, trace
+        self.pool, self.prehash, self.trace = pool, prehash, trace
         self.timeout_seconds = timeout_seconds
         self.metrics = metrics
         self.enabled = timeout_seconds > 0 and self.l2.index_may_lag
@@ -108,7 +108,7 @@ class LookupRequests:
             return False
         now = time.monotonic()
         job = Job(identity, msg, session, now, now + self.timeout_seconds)
-        if not self.promoter.submit(job, lambda: self.l2.probe(keys)):
+        if not self.pool.submit(job, lambda: self.l2.probe(keys)):
             self.metrics.inc("kvtier_lookup_probes_skipped_total", reason="pool_full")
             return False
         self.metrics.inc("kvtier_lookup_probes_total")

@@ -31,7 +31,7 @@ from kvtier import protocol as P
 from kvtier.errors import KVTierError
 from kvtier.hashing import prefix_hashes
 from kvtier.server.hashproc import HashProcess, HashProcessError
-from kvtier.server.promote import Job, Wakeup
+from kvtier.server.jobs import Job, Wakeup
 
 log = logging.getLogger(__name__)
 

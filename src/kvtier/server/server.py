@@ -6,14 +6,17 @@ Threading model: one request thread runs ``serve_forever``: a ZMQ ROUTER answers
 Lookups read L1 and the L2 adapters' in-memory indexes (``L2Tier.lookup``; one they answer short over an L2
 that other servers write to waits for a probe on the pool, ``server/lookup.py``); a retrieve whose prompt
 continues into L2-only chunks, and every ``Prefetch``, is handed to the promotion pool
-(``kvtier.server.promote``) and answered by the request thread when the pool finishes or when
+(``kvtier.server.jobs``) and answered by the request thread when the pool finishes or when
 ``server.promote_timeout_seconds`` passes (then from L1 alone: the rest is a miss); ``Flush`` is answered
 when the L2 write queue drains (``server/flushes.py``); ``Clear`` clears L1 at once and queues the L2 clear behind the writes.
-L2 writes, probes and clears run on ``L2Tier``'s own daemon threads. Caches are made per
-(model, KV layout, namespace) on ``Hello`` and share the tiers. Store, retrieve and prefetch, with the *leases*
-on the L1 slots they hand out (expired here, by ``_expire``), are ``server/dataops.py``. Bounds per client,
-principal and in all: ``server/limits.py``; a long prompt is hashed on a worker before its request is handled
-(``server/prehash.py``).
+L2 writes, probes and clears run on ``L2Tier``'s own daemon threads.
+
+The server is the loop, the dispatch, ``clear`` and ``close``; the rest are its parts, each made here with what it
+uses: ``Connections`` (``Hello`` / ``Bye``, the caches they open, principals, idle expiry), ``DataOps`` (store,
+retrieve, prefetch and the *leases* on the L1 slots they hand out), ``LookupRequests``, ``Flushes``, the
+``JobPool`` and the ``Prehasher`` (a long prompt is hashed on a worker before its request is handled), the bounds
+per client, principal and in all (``server/limits.py``). The admin plane (``server/admin/``) reads the server
+through ``status_snapshot`` and ``health``.
 """
 
 from __future__ import annotations
@@ -29,40 +32,29 @@ import msgspec
 import zmq
 
 from kvtier import protocol as P
-from kvtier.cache import KVCache, Tiers
+from kvtier.cache import Tiers
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import KVTierError
 from kvtier.foreground import FOREGROUND
 from kvtier.metrics import Metrics
-from kvtier.proc import host_id, pid_start_time
+from kvtier.proc import host_id
+from kvtier.server.admin.access import admin_refusal
 from kvtier.server.collector import IdleCollector
+from kvtier.server.connections import Connections
 from kvtier.server.dataops import DataOps
 from kvtier.server.flushes import Flushes
-from kvtier.server.lookup import LookupRequests
-from kvtier.server.manage import KnownCaches
-from kvtier.server.prehash import Prehasher
-from kvtier.server.promote import Job, Promoter
-from kvtier.server.listen import RequestSocket, readable, receive, send_reply
+from kvtier.server.jobs import Job, JobPool
 from kvtier.server.limits import ClientLimits, LeaseQuarantine
-from kvtier.server.principals import Principals, principal_of
-from kvtier.server.session import (
-    HandshakeRefused,
-    Session,
-    admin_refusal,
-    check_hello,
-    error_reply,
-    handshake_values,
-    identity_refusal,
-    limited_reply,
-    scoped_namespace,
-)
+from kvtier.server.listen import RequestSocket, readable, receive, send_reply
+from kvtier.server.lookup import LookupRequests
+from kvtier.server.prehash import Prehasher
+from kvtier.server.principals import principal_of
+from kvtier.server.replies import error_reply, limited_reply
 from kvtier.server.trace import TraceRecorder
 from kvtier.server.turns import MAX_QUEUED, NEW_CONNECTIONS, Turns
 from kvtier.shm import hold_lock, reap_stale_shm
 
 log = logging.getLogger(__name__)
-MAX_CACHES = 1024  # distinct (model, layout, namespace) a server keeps; more are refused
-IDLE_SCAN_SECONDS = 1.0  # idle sessions are looked for this often (each scan visits every session)
 
 
 class KVTierServer:
@@ -108,35 +100,30 @@ class KVTierServer:
             raise
         self.shm_name = shm_name
         self._shm_lock = hold_lock(shm_name) if shm_name else None
-        self.caches: dict[tuple[str, str, str], KVCache] = {}
-        self._refused_models: set[str] = set()  # models whose refusal was logged
-        self.known = KnownCaches(MAX_CACHES, srv.known_caches_max_bytes)  # for the management API, kept after their sessions
-        self.sessions: dict[bytes, Session] = {}
-        self._next_idle_scan = 0.0
-        self.session_idle_seconds = max(2 * srv.lease_seconds, 60.0)
+        self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
+        self.connections = Connections(config, self.tiers, self.limits, self.metrics, self.server_id, shm_name,
+                                       self.host_id)
         self.turns = Turns(srv.max_inflight_requests_per_principal if srv.client_limits else MAX_QUEUED)
-        self.promoter = Promoter(srv.promote_threads, srv.max_promotions, self.metrics)
+        self.pool = JobPool(srv.promote_threads, srv.max_promotions, self.metrics)
         self.prehash = Prehasher(srv.hash_offload_min_tokens, srv.max_hash_jobs, srv.promote_timeout_seconds,
                                   self.metrics, store_min_tokens=srv.store_hash_offload_min_tokens)
-        self.lookups = LookupRequests(self.tiers, self.promoter, self.prehash, srv.lookup_probe_timeout_seconds,
+        self.lookups = LookupRequests(self.tiers, self.pool, self.prehash, srv.lookup_probe_timeout_seconds,
                                       self.metrics, self.trace)
-        self.limits = ClientLimits(srv, self.tiers.l1.capacity_bytes)
-        self.principals = Principals(self.limits)
         self.quarantine = LeaseQuarantine(self.tiers.l1, self.metrics)
         self.flushes = Flushes(self.tiers.l2, self._send)
-        self.data = DataOps(config, self.metrics, self.tiers, self.sessions, self.limits, self.quarantine, self.promoter,
-                            self.lookups, self.lock, self._send, self.trace)
+        self.data = DataOps(config, self.metrics, self.tiers, self.connections, self.limits, self.quarantine,
+                            self.pool, self.lookups, self.lock, self._send, self.trace)
         self._handlers = {P.Ping: self._on_ping, P.Bye: self._on_bye, P.Stats: self._on_stats, P.Clear: self._on_clear,
-                          P.Flush: self.flushes.on_flush, P.Lookup: self.lookups.on_lookup, P.StoreBegin: self.data.store_begin,
-                          P.StoreCommit: self.data.store_commit, P.RetrieveBegin: self.data.retrieve_begin,
-                          P.RetrieveEnd: self.data.retrieve_end, P.Prefetch: self.data.prefetch}
+                          P.Flush: self.flushes.on_flush, P.Lookup: self.lookups.on_lookup,
+                          P.StoreBegin: self.data.store_begin, P.StoreCommit: self.data.store_commit,
+                          P.RetrieveBegin: self.data.retrieve_begin, P.RetrieveEnd: self.data.retrieve_end,
+                          P.Prefetch: self.data.prefetch}
         self.collector = IdleCollector()
-        self.metrics.set("kvtier_connected_clients", 0)
 
     # ---- loop ----------------------------------------------------------------------------------
     def serve_forever(self) -> None:
         """Answer requests until ``stop()``; then abort outstanding leases. Call ``close()`` afterwards."""
-        promoted, hashed = self.promoter.fileno(), self.prehash.fileno()
+        promoted, hashed = self.pool.fileno(), self.prehash.fileno()
         poller = zmq.Poller()
         for source in (self.sock, promoted, hashed):
             poller.register(source, zmq.POLLIN)
@@ -150,19 +137,19 @@ class KVTierServer:
                 self.heartbeat = time.monotonic()
                 # woken at a deferred request's deadline; not waiting at all while requests wait for their turn
                 with FOREGROUND.waiting(not self.turns):
-                    ready = dict(poller.poll(0 if self.turns else self.promoter.poll_milliseconds(tick_milliseconds)))
+                    ready = dict(poller.poll(0 if self.turns else self.pool.poll_milliseconds(tick_milliseconds)))
                 # only what is readable: an empty pipe or socket read costs an exception, several per request
                 alone = self._receive() if self.sock in ready else None
                 if promoted in ready:
-                    self.data.answer_promotions(self.promoter.take_ready())
+                    self.data.answer_promotions(self.pool.take_ready())
                 if hashed in ready:
                     self._answer_hashed(self.prehash.take_ready())
                 if alone is not None:  # a round of one request
                     self._dispatch(alone)
                 for frames in self.turns.next_round():  # then the socket is read again: a new request waits one round
                     self._dispatch(frames)
-                if self.promoter.waiting:  # deferred replies past their deadline
-                    self.data.answer_promotions(self.promoter.take_expired(time.monotonic()), timed_out=True)
+                if self.pool.waiting:  # deferred replies past their deadline
+                    self.data.answer_promotions(self.pool.take_expired(time.monotonic()), timed_out=True)
                 if self.prehash.waiting:
                     self._answer_hashed(self.prehash.take_expired(time.monotonic()), timed_out=True)
                 self._expire()
@@ -193,7 +180,7 @@ class KVTierServer:
                 if not more and not self.turns:  # what next_round would give at once
                     return frames
                 identity = frames[0].bytes
-                session = self.sessions.get(identity)
+                session = self.connections.get(identity)
                 if not self.turns.add(identity, session.principal if session is not None else NEW_CONNECTIONS, frames):
                     self.metrics.inc("kvtier_client_limit_exceeded_total", limit="principal_queued_requests")
                     self._send(identity, P.Error(id=P.salvage_id(frames[1].buffer), code="limit_exceeded", message=(
@@ -222,7 +209,7 @@ class KVTierServer:
             self.metrics.inc("kvtier_replies_dropped_total", reason="gone")
             log.debug("reply to a departed client dropped: %s", exc)
             return
-        session = self.sessions.get(identity) if out else None
+        session = self.connections.get(identity) if out else None
         if session is not None:  # KV frames: held by libzmq until the client reads them
             session.usage.add_unread(out[-1].tracker, sum(len(f) for f in out))
 
@@ -243,22 +230,16 @@ class KVTierServer:
             if payload and not isinstance(msg, P.StoreCommit):
                 return error_reply(msg, "bad_payload", f"{type(msg).__name__} takes no payload frames, got {len(payload)}"), []
             if isinstance(msg, P.Hello):
-                return self._hello(identity, msg, principal_of(header, self.keyring is not None)), []
-            session = self.sessions.get(identity)
+                return self.connections.hello(identity, msg, principal_of(header, self.keyring is not None)), []
+            session = self.connections.get(identity)
             if session is None:
                 return error_reply(msg, "no_session", "no session for this connection: send Hello first"), []
             session.last_seen = time.monotonic()
-            refusal = self.limits.check_inflight(session.usage)
+            refusal = self.limits.check_request(msg, session.usage)
             if refusal:
-                return limited_reply(self.metrics, msg, *refusal), []
-            tokens = getattr(msg, "tokens", None)
-            if tokens is not None and (refusal := self.limits.check_prompt(tokens)):
-                self.metrics.inc("kvtier_client_limit_exceeded_total", limit="prompt_tokens")
-                return error_reply(msg, "too_large", refusal), []
-            namespace = getattr(msg, "namespace", None)
-            if namespace is not None and (refusal := identity_refusal(self.config.server, namespace=namespace)):
-                self.metrics.inc("kvtier_client_limit_exceeded_total", limit="namespace_bytes")
-                return error_reply(msg, "too_large", refusal), []
+                code, limit, message = refusal
+                return (limited_reply(self.metrics, msg, limit, message) if code == "limit_exceeded" else
+                        self._counted_error(msg, code, limit, message)), []
             # a long prompt: hashed first (a lookup parks itself when it needs more than its first chunks)
             if not hashed and not isinstance(msg, P.Lookup) and (parked := self.prehash.park(identity, session, msg)):
                 return (None, []) if parked is True else (limited_reply(self.metrics, msg, "hash_jobs", parked), [])
@@ -278,59 +259,17 @@ class KVTierServer:
             if reply is not None:
                 self._send(job.identity, reply, out)
 
-    # ---- handshake -----------------------------------------------------------------------------
-    def _hello(self, identity: bytes, msg: P.Hello, auth: tuple[bool, str | None, str]):
-        authenticated, tenant, principal = auth
-        if not authenticated:  # every connection passes the ZAP handler; this one did not
-            return error_reply(msg, "unauthorized", "connection not authenticated by this server")
-        try:
-            layout = check_hello(msg, self.config, self.tiers.l1.capacity_bytes)
-        except HandshakeRefused as exc:
-            return error_reply(msg, exc.code, str(exc))
-        old = self.sessions.get(identity)  # a second Hello on one connection: what it holds stays counted
-        refusal = None if old is not None else self.principals.refusal(identity, principal)
-        if refusal:  # before a cache is made for it
-            return limited_reply(self.metrics, msg, *refusal)
-        namespace = scoped_namespace(tenant, msg.namespace)
-        cache_key = (msg.model, layout.layout_id, namespace)
-        cache = self.caches.get(cache_key)
-        if cache is None:
-            if len(self.caches) >= MAX_CACHES:
-                return error_reply(msg, "bad_request", f"this server already serves {MAX_CACHES} caches")
-            try:
-                cache = KVCache(self.config, msg.model, layout, namespace=namespace, tiers=self.tiers)
-            except ConfigError as exc:  # e.g. an adapter writes a lossy codec this model may not read
-                # once per model (clients retry), and a bounded set (model ids come from the clients)
-                if msg.model not in self._refused_models and len(self._refused_models) < MAX_CACHES:
-                    self._refused_models.add(msg.model)
-                    log.warning("refusing clients of model %r: %s", msg.model, exc)
-                return error_reply(msg, "config_mismatch", str(exc))
-            self.caches[cache_key] = cache
-        self.known.note(cache_key, cache)
-        # one mapping of the arena reaches every slot, so a tenant's bytes travel as frames
-        shm = bool(self.shm_name) and msg.want_shm and msg.host_id == self.host_id and tenant is None
-        usage = old.usage if old is not None else self.principals.admit(identity, principal)
-        session = Session(msg.model, namespace, layout.layout_id, cache, shm, msg.pid, time.monotonic(), tenant,
-                          pid_start_time(msg.pid) if shm else None, usage, principal)
-        self.sessions[identity] = session
-        self.metrics.set("kvtier_connected_clients", len(self.sessions))
-        srv = self.config.server
-        return P.HelloReply(id=msg.id, version=P.PROTOCOL_VERSION, server_id=self.server_id,
-                            lease_seconds=srv.lease_seconds, max_message_bytes=srv.max_message_bytes,
-                            shm_name=self.shm_name if shm else None,
-                            shm_capacity_bytes=self.tiers.l1.capacity_bytes if shm else 0, tenant=tenant,
-                            **handshake_values(self.config))
-
     # ---- requests ------------------------------------------------------------------------------
     def _on_ping(self, identity, session, msg, payload):
         return P.Ok(id=msg.id), []
 
+    def _counted_error(self, msg, code: str, limit: str, message: str) -> P.Error:
+        self.metrics.inc("kvtier_client_limit_exceeded_total", limit=limit)
+        return error_reply(msg, code, message)
+
     def _on_bye(self, identity, session, msg, payload):
-        self.sessions.pop(identity, None)
-        self.principals.leave(identity)
         self.quarantine.release_client(identity)  # a client says Bye between calls, never inside a copy
-        self._drop_idle_caches()
-        self.metrics.set("kvtier_connected_clients", len(self.sessions))
+        self.connections.close(identity, self.data.lease_caches())
         return P.Ok(id=msg.id), []
 
     def _on_stats(self, identity, session, msg, payload):
@@ -348,31 +287,50 @@ class KVTierServer:
             return error_reply(msg, "unauthorized", refusal), []
         return P.ClearReply(id=msg.id, num_chunks=self.clear(msg.medium, wait=False)), []
 
-    # ---- leases and sessions -------------------------------------------------------------------
+    # ---- leases and connections ----------------------------------------------------------------
     def _expire(self) -> None:
         now = time.monotonic()
         with self.lock:
             self.data.expire_leases(now)
             self.quarantine.sweep(now)
             self.flushes.answer(now)
-            if now < self._next_idle_scan:
-                return
-            self._next_idle_scan = now + IDLE_SCAN_SECONDS
-            idle = [i for i, s in self.sessions.items() if now - s.last_seen > self.session_idle_seconds]
-            for identity in idle:
-                del self.sessions[identity]
-                self.principals.leave(identity)
-            if idle:
-                self._drop_idle_caches()
-                self.metrics.set("kvtier_connected_clients", len(self.sessions))
-
-    def _drop_idle_caches(self) -> None:
-        """Forget caches no session or lease uses (their chunks stay in L1 and L2 under their keys)."""
-        used = {id(s.cache) for s in self.sessions.values()} | self.data.lease_caches()
-        for key in [k for k, c in self.caches.items() if id(c) not in used]:
-            del self.caches[key]
+            self.connections.expire_idle(now, self.data.lease_caches)
 
     # ---- admin ---------------------------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason): the request loop is running and answering (``/healthz``)."""
+        if self.stopping.is_set():
+            return False, "shutting down"
+        stalled = time.monotonic() - self.heartbeat
+        if stalled > max(5.0, self.config.server.lease_seconds):
+            return False, f"request loop has not run for {stalled:.1f} s"
+        return True, "ok"
+
+    def status_snapshot(self) -> dict:
+        """The server's state as ``/status`` shows it before masking (``admin/status.py``): identity, health,
+        configuration, L1, L2, every connection (tenant and principal unmasked), leases, caches, jobs, queued
+        requests, quarantine, authentication. Taken under the lock; secrets are in it (mask them)."""
+        self.tiers.refresh_gauges()
+        l1, ring = self.tiers.l1, self.keyring
+        with self.lock:
+            now = time.monotonic()
+            clients = [{"model": c.model, "namespace": c.namespace, "tenant": c.tenant, "principal": c.principal,
+                        "layout_id": c.layout_id, "pid": c.pid, "shared_memory": c.shm,
+                        "idle_seconds": round(now - c.last_seen, 3), "reserved_bytes": c.usage.reserved_bytes,
+                        "leases": c.usage.leases} for c in self.connections.records()]
+            state = {"clients": clients, "leases": self.data.lease_counts(), "caches": len(self.connections.caches),
+                     "promotions": {"waiting": len(self.pool.waiting), "in_flight": self.pool.in_flight},
+                     "queued_requests": len(self.turns),
+                     "quarantine": {"slots": self.quarantine.num_slots, "bytes": l1.quarantined_bytes}}
+        healthy, reason = self.health()
+        return {"server_id": self.server_id, "uptime_seconds": round(time.time() - self.started, 3), "healthy": healthy,
+                "reason": reason, "endpoint": self.endpoint, "config": self.config.model_dump(mode="json"),
+                "auth": {"mechanism": "CURVE" if ring else "NULL (--no-auth)", "path": str(ring.creds.path) if ring else None,
+                         "tenants": sorted(ring.creds.tenants) if ring else []},
+                "l1": {"used_bytes": l1.used_bytes, "capacity_bytes": l1.capacity_bytes, "num_chunks": l1.num_chunks,
+                       "eviction_policy": self.config.eviction_policy, "shm_name": self.shm_name},
+                "l2": self.tiers.l2.status(), **state}
+
     def clear(self, medium: str | None = None, *, wait: bool = False) -> int:
         """Drop every chunk in L1 and L2, or only ``"CPU"`` (L1) / ``"STORAGE"`` (L2); in-flight reservations
         stay. L1 is cleared before returning; L2 is queued behind its pending writes (``L2Tier.clear_async``;
@@ -392,7 +350,7 @@ class KVTierServer:
         unmap and unlink the shared L1, and delete the secret file it created at the default path for a port the OS
         picked (``--port 0``). Returns False if L2 writes were still pending at the deadline."""
         self.stopping.set()
-        self.promoter.close()
+        self.pool.close()
         self.prehash.close()
         done = self.tiers.close(self.config.server.shutdown_timeout_seconds)
         self.trace.close()

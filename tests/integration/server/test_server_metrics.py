@@ -147,7 +147,7 @@ def test_kvtier_status_prints_the_status_json(server):
 
 
 def test_status_masks_secrets_in_adapter_specs():
-    from kvtier.server.admin import redact
+    from kvtier.server.admin.status import redact
 
     spec = {"type": "faulty", "inner": {"type": "s3", "aws_secret_access_key": "AKIA-SECRET", "bucket": "b"},
             "url": "redis://user:pa55@host:6379/0", "connection_string": "AccountKey=abc", "path": "/data"}
@@ -161,9 +161,9 @@ def test_healthz_is_503_with_the_reason_once_stopping():
     from starlette.testclient import TestClient
 
     from kvtier.config import build_config
-    from kvtier.server.admin import build_app
+    from kvtier.server.admin.http import build_app
     from kvtier.server.server import KVTierServer
-    from kvtier.server.telemetry import Telemetry
+    from kvtier.server.admin.telemetry import Telemetry
 
     config = build_config({"l1_size_gb": 0.001, "server": {"port": 0, "shared_memory": False}})
     server = KVTierServer(config)

@@ -1,13 +1,18 @@
-"""Promotions off the request thread: a pool of daemon workers running L2 -> L1 copies for the server.
+"""Work off the request thread: a pool of daemon workers running the server's L2 jobs (promotions, lookup probes).
 
-Life of a promotion::
+A job is one request a client waits for while a worker runs ``fn`` for it: an L2 -> L1 promotion of a retrieve's
+or a prefetch's chunks (``server/dataops.py``), or a probe of a lagging L2 index for a lookup
+(``server/lookup.py``). The pool knows nothing of what ``fn`` does. ``Wakeup`` is the pipe a worker thread
+wakes the request loop with (the hashing worker, ``server/prehash.py``, uses one too).
+
+Life of a job::
 
     request loop: submit(job, fn)   (False: max_promotions in flight, answer from L1 now)
     worker:       fn()              (L2 reads and L1 copies; never touches the socket or the server lock; started
                                      when the request thread is idle, or 5 ms later: kvtier.foreground)
                   -> ready queue + one byte on a pipe the loop polls
     request loop: take_ready()      (finished jobs not yet answered) or take_expired(now) (past the
-                  deadline: answered from L1 alone, counted in kvtier_l2_promote_timeouts_total)
+                  deadline: answered without it, e.g. from L1 alone, counted by the caller)
 
 A job is answered exactly once, by whichever of ``take_ready`` / ``take_expired`` sees it first; a worker that
 finishes after its deadline still leaves its copies in L1 (useful to the next request) but sends nothing.
@@ -72,7 +77,7 @@ class Wakeup:
 
 @dataclass(eq=False)
 class Job:
-    """One promotion a client waits for: who asked (routing ``identity``), the request, its session and deadline
+    """One job a client waits for: who asked (routing ``identity``), the request, its session and deadline
     (``time.monotonic()`` seconds). ``result`` is what ``fn`` returned (None if it raised or was skipped)."""
 
     identity: bytes
@@ -83,13 +88,13 @@ class Job:
     result: Any = None
     answered: bool = False
     finished: bool = field(default=False, repr=False)
-    key: Any = field(default=None, repr=False)  # what followers join on (``Promoter.submit``)
+    key: Any = field(default=None, repr=False)  # what followers join on (``JobPool.submit``)
     followers: list[Job] = field(default_factory=list, repr=False)
     joined: bool = False  # True: this job followed another one and ran nothing itself
 
 
-class Promoter:
-    """The promotion pool.
+class JobPool:
+    """The pool (module docstring).
 
     Args:
         threads: worker threads (``server.promote_threads``).
@@ -148,7 +153,7 @@ class Promoter:
                     FOREGROUND.wait_idle()  # the request thread first (a lookup is shorter than a promotion)
                     job.result = fn()
             except Exception:  # noqa: BLE001 -- a bug in a promotion is a miss, never a dead worker
-                log.exception("promotion failed")
+                log.exception("L2 job failed")
             finally:
                 with self._lock:
                     self._in_flight -= 1

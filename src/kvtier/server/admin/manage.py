@@ -11,10 +11,10 @@ ever opened on this server is refused (404): no chunk of it can exist.
 Operations: ``lookup`` (per chunk: its hash, whether L1 holds it, which L2 adapters' indexes hold it, its
 retention hint), ``pin`` / ``unpin`` / ``set_ttl`` (L1 retention hints of a prompt's or a session's chunks),
 ``delete`` (from L1 and every L2 adapter, with BlockRemoved events; ``Tiers.delete``) and ``sessions`` (what each
-session holds). Who may call which, and the HTTP side, is ``server/manage_http.py``.
+session holds). Who may call which, and the HTTP side, is ``manage_http.py``.
 
 Thread-safety: called on the admin HTTP's worker threads; L1, the L2 tier and the memo are thread-safe, and
-``KnownCaches`` has its own lock, so the server's lock is not taken (the request thread never waits for a
+``KnownCaches`` (``server/connections.py``) has its own lock, so the server's lock is not taken (the request thread never waits for a
 management call's L2 I/O).
 """
 
@@ -24,7 +24,6 @@ import functools
 import hashlib
 import re
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvtier.errors import InputError, KVTierError
@@ -32,7 +31,7 @@ from kvtier.hashing import as_token_array, prefix_hashes
 from kvtier.hints import RetentionHint, check_hint
 from kvtier.keys import ChunkKey, namespace_tenant
 from kvtier.server.hashproc import HashProcess, HashProcessError
-from kvtier.server.session import scoped_namespace
+from kvtier.server.handshake import scoped_namespace
 
 _DIGEST = re.compile(r"[0-9a-f]{32}")  # keys.namespace_of
 
@@ -51,53 +50,6 @@ def shown_namespace(namespace: str | None) -> str | None:
     if not namespace or _DIGEST.fullmatch(namespace):
         return namespace
     return "sha256:" + hashlib.sha256(namespace.encode()).hexdigest()[:32]
-
-
-KNOWN_CACHE_OVERHEAD_BYTES = 1024  # a kept KVCache and its entry besides its strings (tracemalloc: ~450 on 3.11)
-
-
-class KnownCaches:
-    """The server's caches by (model, KV layout id, namespace), the last made: the server forgets a cache once no
-    session uses it (its chunks stay), the management API still reaches them through this. Bounded in memory:
-    ``max_bytes`` of model ids, layout ids and namespaces (plus ``KNOWN_CACHE_OVERHEAD_BYTES`` each), the least
-    recently opened forgotten first, and ``max_entries`` entries. Thread-safe."""
-
-    def __init__(self, max_entries: int, max_bytes: int):
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._lock = threading.Lock()
-        self._caches: OrderedDict[tuple[str, str, str], object] = OrderedDict()
-        self.nbytes = 0  # estimated bytes of what is kept
-
-    @staticmethod
-    def cost(key: tuple[str, str, str]) -> int:
-        return sum(len(part) for part in key) + KNOWN_CACHE_OVERHEAD_BYTES
-
-    def note(self, key: tuple[str, str, str], cache) -> None:
-        """A session opened ``cache`` (``key``: the server's cache key)."""
-        with self._lock:
-            if self._caches.pop(key, None) is None:
-                self.nbytes += self.cost(key)
-            self._caches[key] = cache
-            while len(self._caches) > self.max_entries or (self.nbytes > self.max_bytes and len(self._caches) > 1):
-                self.nbytes -= self.cost(self._caches.popitem(last=False)[0])
-
-    def matching(self, model: str, namespace: str, layout_id: str | None = None) -> list:
-        """The caches of ``model`` in ``namespace`` (of KV layout ``layout_id`` when given)."""
-        with self._lock:
-            return [c for (m, lay, ns), c in self._caches.items()
-                    if m == model and ns == namespace and layout_id in (None, lay)]
-
-    def of_key(self, key: ChunkKey):
-        """The cache whose chunks ``key`` names (None: not known any more)."""
-        with self._lock:
-            for (m, _, ns), cache in self._caches.items():
-                if m == key.model and ns == key.namespace and cache.keys.key_layout_id == key.layout_id:
-                    return cache
-        return None
-
-    def models(self) -> list[str]:
-        with self._lock:
-            return sorted({m for m, _, _ in self._caches})
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,16 +87,17 @@ def tokenize(text: str, tokenizer: str | None, add_special_tokens: bool = True) 
 
 
 class Management:
-    """The operations over a ``KVTierServer`` (its ``tiers``, ``known`` caches, ``keyring``, ``limits``, ``config``).
+    """The operations over a server's parts: its ``config``, ``tiers``, ``known`` caches (``KnownCaches``),
+    ``keyring`` (None without authentication) and client ``limits``.
 
     Long prompts (``server.hash_offload_min_tokens`` and more) are hashed by a child process of their own
     (``server/hashproc.py``), not holding the GIL the request thread needs; call ``close`` to stop it.
     """
 
-    def __init__(self, server):
-        self.server = server
-        self.l1 = server.tiers.l1
-        self._hashproc = HashProcess(server.config.server.promote_timeout_seconds)
+    def __init__(self, config, tiers, known, keyring, limits):
+        self.config, self.tiers, self.known, self.keyring, self.limits = config, tiers, known, keyring, limits
+        self.l1 = tiers.l1
+        self._hashproc = HashProcess(config.server.promote_timeout_seconds)
         self._hash_lock = threading.Lock()  # HashProcess: one caller at a time
 
     def close(self) -> None:
@@ -157,7 +110,7 @@ class Management:
         if not isinstance(target.model, str) or not target.model:
             raise ManageError(400, "'model' must be the non-empty model id the engines send (see /status clients)")
         if target.tenant is not None:
-            keyring = self.server.keyring
+            keyring = self.keyring
             if keyring is None or target.tenant not in keyring.creds.tenants:
                 raise ManageError(404, f"'tenant': no tenant {target.tenant!r} on this server (kvtier auth tenant "
                                        "adds one)")
@@ -169,9 +122,9 @@ class Management:
     def caches_of(self, target: Target) -> tuple[str, list]:
         """(namespace, the caches of the target's model there). Raises ManageError (404: no client ever opened it)."""
         namespace = self.namespace_of(target)
-        caches = self.server.known.matching(target.model, namespace, target.layout_id)
+        caches = self.known.matching(target.model, namespace, target.layout_id)
         if not caches:
-            known = f"; models seen: {', '.join(self.server.known.models()) or 'none'}" if target.admin else ""
+            known = f"; models seen: {', '.join(self.known.models()) or 'none'}" if target.admin else ""
             layout = f" with layout_id {target.layout_id!r}" if target.layout_id else ""
             raise ManageError(404, f"no client opened model {target.model!r}{layout} in that namespace on this server "
                                    f"('model', 'namespace', 'tenant' name it as the engines' sessions do){known}")
@@ -186,7 +139,7 @@ class Management:
             layouts = ", ".join(sorted(c.layout.layout_id for c in caches))
             raise ManageError(400, f"model {target.model!r} was opened with several KV layouts: name one as "
                                    f"'layout_id' ({layouts})")
-        limits = self.server.limits
+        limits = self.limits
         if limits.enabled and len(tokens) > limits.max_prompt_tokens:
             raise ManageError(400, f"'tokens': a prompt of {len(tokens)} tokens exceeds server.max_prompt_tokens "
                                    f"({limits.max_prompt_tokens}); send a shorter prompt")
@@ -195,7 +148,7 @@ class Management:
             arr = as_token_array(tokens)
             if memo_only and cache.unhashed_tokens(arr, namespace, extra_keys=extra_keys):
                 return None
-            long = len(arr) >= self.server.config.server.hash_offload_min_tokens
+            long = len(arr) >= self.config.server.hash_offload_min_tokens
             _, refs = cache.chunk_refs(arr, namespace, extra_keys=extra_keys,
                                        hasher=self._hash if long else prefix_hashes)
         except InputError as exc:
@@ -230,7 +183,7 @@ class Management:
         scope = keys[0].scope if keys else ""  # one cache: one scope (a name's hex is half a lookup's work)
         names = [f"{scope}-{k.prefix_hash.hex()}" for k in keys]
         in_l1 = [self.l1.contains(k) for k in keys]
-        holders = self.server.tiers.l2.holders(keys, names)
+        holders = self.tiers.l2.holders(keys, names)
         n_l1 = _leading(in_l1)
         in_l2 = [any(hits[i] for _, hits in holders) for i in range(len(keys))]
         n = n_l1 + _leading(in_l2[n_l1:])
@@ -263,11 +216,11 @@ class Management:
     def _session_row(self, session_id: str, model: str, namespace: str, keys: list[ChunkKey], admin: bool) -> dict:
         nbytes = pinned = 0
         for key in keys:
-            cache, tokens, hint = self.server.known.of_key(key), self.l1.meta(key), self.l1.retention_of(key)
+            cache, tokens, hint = self.known.of_key(key), self.l1.meta(key), self.l1.retention_of(key)
             if cache is not None and tokens is not None:
                 nbytes += cache.layout.chunk_bytes(tokens)
             pinned += bool(hint and hint["pinned"])
-        holders = self.server.tiers.l2.holders(keys)
+        holders = self.tiers.l2.holders(keys)
         in_l2 = sum(any(hits[i] for _, hits in holders) for i in range(len(keys)))
         row = {"session_id": session_id, "model": model, "namespace": shown_namespace(namespace),
                "num_chunks": len(keys), "bytes": nbytes, "num_pinned": pinned, "num_l2_chunks": in_l2}
@@ -316,7 +269,7 @@ class Management:
         out = {"num_chunks": len(keys), verb: accepted, "refused": refused,
                "absent": sum(not self.l1.contains(k) for k in keys)}
         if refused:
-            share = self.server.config.l1_retention_max_share
+            share = self.config.l1_retention_max_share
             raise ManageError(409, f"{refused} of {len(keys)} chunks were refused: protected chunks would hold more "
                                    f"than l1_retention_max_share ({share:g}) of L1; {accepted} were {verb}. Unpin or "
                                    f"delete other chunks, or raise l1_retention_max_share. Outcome: {out}")
@@ -325,8 +278,8 @@ class Management:
     def delete(self, keys: list[ChunkKey]) -> dict:
         """Delete ``keys`` from L1 and every L2 adapter with their BlockRemoved events (``Tiers.delete``), and say
         how many remain anywhere afterwards (L1, the L2 indexes): 0 unless a promotion raced the delete."""
-        deleted = self.server.tiers.delete(keys)
-        holders = self.server.tiers.l2.holders(keys)
+        deleted = self.tiers.delete(keys)
+        holders = self.tiers.l2.holders(keys)
         remaining = sum(self.l1.contains(k) or any(hits[i] for _, hits in holders) for i, k in enumerate(keys))
         return {"num_chunks": len(keys), "deleted": deleted, "remaining": remaining}
 

@@ -1,4 +1,4 @@
-"""``kvtier cache lookup|pin|unpin|ttl|delete|sessions``: the management API (``server/manage_http.py``) from a shell.
+"""``kvtier cache lookup|pin|unpin|ttl|delete|sessions``: the management API (``server/admin/manage_http.py``) from a shell.
 
 Each command calls a running server's admin HTTP (``--admin-url``, as ``kvtier status``) with the admin token from
 ``--admin-token`` / ``KVTIER_ADMIN_TOKEN`` or ``--token-file``, and prints a table (``--json``: the server's answer).
@@ -76,7 +76,7 @@ def _common(fn):
 
 
 def _target(fn):
-    """The options naming a cache as a client session does (``server/manage.py``)."""
+    """The options naming a cache as a client session does (``server/admin/manage.py``)."""
     for option in reversed([
         click.option("--model", required=True, help="The model id the engines send (see kvtier status: clients)."),
         click.option("--namespace", default="", help="The clients' namespace (LoRA / cache salt digest) [default: none]."),

@@ -1,4 +1,4 @@
-"""The management API's HTTP routes on the admin port (issue 19 §2); the operations are ``server/manage.py``.
+"""The management API's HTTP routes on the admin port (issue 19 §2); the operations are ``manage.py``.
 
 Routes (bodies and answers are JSON; ``docs/deployment.md`` has examples)::
 
@@ -27,15 +27,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvtier.errors import KVTierError
-from kvtier.server.manage import Management, ManageError, Target, tokenize
-from kvtier.server.session import admin_refusal
+from kvtier.server.admin.access import admin_refusal, bearer_of, refused
+from kvtier.server.admin.manage import Management, ManageError, Target, tokenize
 
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
 MAX_TEXT_CHARS_PER_TOKEN = 64  # text longer than this many characters per allowed prompt token is refused unread
 
 
 class CacheRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """A management call's body (see the module docstring; ``server/manage.py`` for the naming)."""
+    """A management call's body (see the module docstring; ``manage.py`` for the naming)."""
 
     model: str
     namespace: str = ""
@@ -54,34 +54,17 @@ class CacheRequest(msgspec.Struct, forbid_unknown_fields=True):
 _DECODER = msgspec.json.Decoder(CacheRequest)
 
 
-def bearer_of(request: Request) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header (None without one; the scheme in any case, as
-    RFC 9110 has it)."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
-def refused(config, token: str | None) -> JSONResponse | None:
-    """The 401 / 403 answer to a mutation ``session.admin_refusal`` refuses (None: allowed)."""
-    refusal = admin_refusal(config, token)
-    if refusal is None:
-        return None
-    if config.server.admin_token is None:
-        return JSONResponse({"error": refusal}, status_code=403)
-    return JSONResponse({"error": f"{refusal}: send 'Authorization: Bearer <token>'"}, status_code=401,
-                        headers={"WWW-Authenticate": "Bearer"})
-
-
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
 class ManageRoutes:
-    """The routes over one ``Management`` (``routes``); ``close`` stops its hashing process."""
+    """The routes over one ``Management`` (``routes``) of a ``KVTierServer``'s parts; ``close`` stops its hashing
+    process."""
 
     def __init__(self, server):
-        self.server = server
-        self.manage = Management(server)
+        self.config = server.config
+        self.manage = Management(server.config, server.tiers, server.connections.known, server.keyring, server.limits)
 
     def close(self) -> None:
         self.manage.close()
@@ -97,7 +80,7 @@ class ManageRoutes:
     # ---- who may call --------------------------------------------------------------------------
     def _reader(self, request: Request) -> tuple[bool, JSONResponse | None]:
         """(admin, refusal) of a read."""
-        config = self.server.config
+        config = self.config
         if config.server.admin_token is None:
             return admin_refusal(config, None) is None, None
         refusal = refused(config, bearer_of(request))
@@ -111,7 +94,7 @@ class ManageRoutes:
                     if content_type in FORM_TYPES else "needs a JSON body"
                 return _error(415, f"{request.url.path} {what}: send Content-Type: application/json")
             if mutation:
-                admin, refusal = True, refused(self.server.config, bearer_of(request))
+                admin, refusal = True, refused(self.config, bearer_of(request))
             else:
                 admin, refusal = self._reader(request)
             if refusal is not None:
@@ -139,7 +122,7 @@ class ManageRoutes:
 
     async def _read_body(self, request: Request) -> bytes | Response:
         """The body, refused (413) past what the longest allowed prompt needs."""
-        srv = self.server.config.server
+        srv = self.config.server
         limit = srv.max_prompt_tokens * MAX_TEXT_CHARS_PER_TOKEN + (1 << 20)
         parts, size = [], 0
         async for part in request.stream():
@@ -163,7 +146,7 @@ class ManageRoutes:
             raise ManageError(400, "send exactly one of 'tokens' (token ids) and 'text' (with 'tokenizer')")
         if req.tokens is not None:
             return req.tokens
-        max_tokens = self.server.config.server.max_prompt_tokens
+        max_tokens = self.config.server.max_prompt_tokens
         if len(req.text) > max_tokens * MAX_TEXT_CHARS_PER_TOKEN:
             raise ManageError(400, f"'text' of {len(req.text)} characters is longer than any prompt of "
                                    f"server.max_prompt_tokens ({max_tokens}) tokens")

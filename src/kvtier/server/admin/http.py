@@ -9,7 +9,8 @@ token is set (401 otherwise) and is refused when none is set (403) unless ``allo
 It never accepts what a browser can send cross-site without asking (a form post, ``text/plain``): the
 request must carry a JSON body (``{"medium": "CPU"}`` or ``{}``) or the ``X-KVTier-Admin`` header (415 / 400
 otherwise). Nothing is cleared when refused. The management API (``/cache/...``: look up, pin, TTL, delete a
-prompt's or a session's chunks, list sessions) is ``server/manage_http.py``. Binds 127.0.0.1 unless told otherwise.
+prompt's or a session's chunks, list sessions) is ``manage_http.py``; what /status shows, ``status.py``. Binds
+127.0.0.1 unless told otherwise.
 
 DNS rebinding: a web page can make a browser resolve its own domain to 127.0.0.1 and read the answers, so every
 route but ``/healthz`` and ``/metrics`` answers only a ``Host`` that is an IP address, ``localhost`` or a name in
@@ -19,14 +20,11 @@ route but ``/healthz`` and ``/metrics`` answers only a ``Host`` that is an IP ad
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ipaddress
 import json
 import logging
-import re
 import socket
 import threading
-import time
 
 import uvicorn
 from starlette.applications import Starlette
@@ -35,45 +33,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from kvtier import __version__
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.protocol import PROTOCOL_VERSION
-from kvtier.server.manage import shown_namespace
-from kvtier.server.manage_http import FORM_TYPES, ManageRoutes, bearer_of, refused
-from kvtier.server.session import admin_refusal
-from kvtier.server.telemetry import CONTENT_TYPE, Telemetry
+from kvtier.server.admin.access import admin_refusal, bearer_of, refused
+from kvtier.server.admin.manage_http import FORM_TYPES, ManageRoutes
+from kvtier.server.admin.status import public_status
+from kvtier.server.admin.telemetry import CONTENT_TYPE, Telemetry
 
 log = logging.getLogger(__name__)
-# a key is a secret when one of its words (split at "_", "-", ".") is one of these; whole words, so that
-# max_prompt_tokens or hash_offload_min_tokens stay visible while admin_token, aws_secret_access_key, sas_token,
-# l2_record_key are masked. A "*_file" key is a path (auth_secret_file, tls_ca_file): shown, its content never is
-_SECRET_WORDS = frozenset({"key", "secret", "token", "password", "passwd", "pwd", "credential", "credentials",
-                           "sas", "sig", "signature"})
-_SECRET_KEYS = frozenset({"connection_string", "connectionstring", "accountkey", "sharedaccesssignature"})
-_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
-_URL_QUERY = re.compile(r"(?<=[a-z]://)([^\s?#]*)\?[^\s#]*", re.IGNORECASE)  # SAS tokens travel as the query string
-
-
-def is_secret_key(key) -> bool:
-    """Whether a mapping key names a secret: a word of it is a secret word, or it is a known secret name."""
-    name = str(key).lower()
-    if name.endswith("_file"):
-        return False
-    return name in _SECRET_KEYS or not _SECRET_WORDS.isdisjoint(re.split(r"[_\-.\s]+", name))
-
-
-def redact(value):
-    """A copy of a JSON-like value with secrets masked: keys naming a secret (``is_secret_key``), user:password
-    and query strings of URLs."""
-    if isinstance(value, dict):
-        return {k: "***" if is_secret_key(k) and v is not None else redact(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    if isinstance(value, str):
-        return _URL_QUERY.sub(r"\1?***", _URL_USERINFO.sub("***@", value))
-    return value
-
-
 _ANY_HOST_PATHS = ("/healthz", "/metrics")  # probes and scrapers may name the host as they like: nothing secret there
 
 
@@ -111,70 +77,16 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
-def server_health(server) -> tuple[bool, str]:
-    """(healthy, reason): the request loop is running and answering."""
-    if server.stopping.is_set():
-        return False, "shutting down"
-    stalled = time.monotonic() - server.heartbeat
-    if stalled > max(5.0, server.config.server.lease_seconds):
-        return False, f"request loop has not run for {stalled:.1f} s"
-    return True, "ok"
-
-
-def server_status(server, admin: bool = False) -> dict:
-    """Everything /status shows: version, uptime, health, config (secrets masked), L1, L2, clients."""
-    server.tiers.refresh_gauges()
-    l1 = server.tiers.l1
-    config = server.config.model_dump(mode="json")
-    config["server"].pop("admin_token", None)
-    healthy, reason = server_health(server)
-    snap = _sessions_and_leases(server)
-    keyring = server.keyring
-    auth = {"mechanism": "CURVE" if keyring else "NULL (--no-auth)",
-            "path": str(keyring.creds.path) if keyring else None,  # a key naming a secret would be masked
-            "num_tenants": len(keyring.creds.tenants) if keyring else 0}
-    if admin:  # who the tenants are is the operator's business, not any local process's
-        auth["tenants"] = sorted(keyring.creds.tenants) if keyring else []
-    else:
-        for client in snap["clients"]:
-            if client["tenant"] is not None:  # its principal names the tenant too: a digest still tells clients apart
-                client["tenant"] = "(hidden: send the admin token)"
-                client["principal"] = "sha256:" + hashlib.sha256(str(client["principal"]).encode()).hexdigest()[:16]
-    return redact({"version": __version__, "protocol_version": PROTOCOL_VERSION, "server_id": server.server_id,
-                   "uptime_seconds": round(time.time() - server.started, 3), "healthy": healthy, "reason": reason,
-                   "endpoint": server.endpoint, "auth": auth, "config": config,
-                   "l1": {"used_bytes": l1.used_bytes, "capacity_bytes": l1.capacity_bytes,
-                          "num_chunks": l1.num_chunks, "eviction_policy": server.config.eviction_policy,
-                          "shm_name": server.shm_name},
-                   "l2": server.tiers.l2.status(), "connected_clients": len(snap["clients"]), **snap})
-
-
-def _sessions_and_leases(server) -> dict:
-    """Sessions and leases as /status shows them (taken under the lock)."""
-    with server.lock:
-        now = time.monotonic()
-        clients = [{"model": s.model, "namespace": shown_namespace(s.namespace), "tenant": s.tenant, "principal": s.principal,
-                    "layout_id": s.layout_id, "pid": s.pid, "shared_memory": s.shm,
-                    "idle_seconds": round(now - s.last_seen, 3),
-                    "reserved_bytes": s.usage.reserved_bytes, "leases": s.usage.leases}
-                   for s in server.sessions.values()]
-        leases = server.data.lease_counts()
-        return {"clients": clients, "leases": leases, "caches": len(server.caches),
-                "promotions": {"waiting": len(server.promoter.waiting), "in_flight": server.promoter.in_flight},
-                "queued_requests": len(server.turns),
-                "quarantine": {"slots": server.quarantine.num_slots, "bytes": server.tiers.l1.quarantined_bytes}}
-
-
 def build_app(server, telemetry: Telemetry) -> Starlette:
     """The ASGI app over a ``KVTierServer`` (its state for /status and /healthz, ``clear()``, ``config``)."""
 
     async def healthz(request: Request) -> Response:
-        healthy, reason = server_health(server)
+        healthy, reason = server.health()
         return PlainTextResponse("ok" if healthy else f"unhealthy: {reason}", status_code=200 if healthy else 503)
 
     async def status(request: Request) -> Response:
         admin = server.config.server.admin_token is not None and admin_refusal(server.config, bearer_of(request)) is None
-        return JSONResponse(await asyncio.to_thread(server_status, server, admin))
+        return JSONResponse(public_status(await asyncio.to_thread(server.status_snapshot), admin))
 
     async def metrics(request: Request) -> Response:
         body = await asyncio.to_thread(telemetry.render)
