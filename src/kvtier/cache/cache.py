@@ -64,7 +64,7 @@ class KVCache:
                 self.tiers.close()
             raise
         self.keys = PromptKeys(config, model, chunk_layout_id(layout.layout_id, config.chunk_size), namespace,
-                               self.tiers.memo)
+                               self.tiers.memo, layout.layout_id)
 
     # ---- keys --------------------------------------------------------------------------
     def chunk_refs(self, tokens, namespace: str | None = None, *, extra_keys=None,

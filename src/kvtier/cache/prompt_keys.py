@@ -17,7 +17,9 @@ from kvtier.cache.tickets import ChunkRef, PromptBlocks
 from kvtier.config import KVTierConfig
 from kvtier.extra_keys import check_extra_keys, num_blocks_of
 from kvtier.hashing import as_token_array, check_token_ids, prefix_hashes
-from kvtier.keys import SEGMENT_SEED_SUFFIX, ChunkKey, is_segment_namespace
+from kvtier.errors import InputError
+from kvtier.keys import SEGMENT_SEED_SUFFIX, ChunkKey, chunk_layout_id, is_segment_namespace
+from kvtier.pages import PageChain
 
 
 class PromptKeys:
@@ -29,11 +31,19 @@ class PromptKeys:
         key_layout_id: ``keys.chunk_layout_id`` of the KV layout and chunk size (part of every key).
         namespace: the default namespace.
         memo: the memo the refs are kept in (thread-safe; shared).
+        layout_id: the KV layout's own id, for the keys of a ``PageChain``'s pages (``chunk_layout_id`` with the
+            page size); None: ``key_layout_id``.
+
+    Every method that takes ``tokens`` also takes a ``kvtier.pages.PageChain`` (an engine's page keys): page i is
+    chunk i, tokens ``[i * page_size, (i + 1) * page_size)``, keyed by its own digest; nothing is hashed or
+    memoised, and the token array returned is ``PageChain.token_array`` (the chain names no token ids).
     """
 
-    def __init__(self, config: KVTierConfig, model: str, key_layout_id: str, namespace: str, memo: LookupMemo):
+    def __init__(self, config: KVTierConfig, model: str, key_layout_id: str, namespace: str, memo: LookupMemo,
+                 layout_id: str | None = None):
         self.config, self.model, self.key_layout_id, self.namespace, self.memo = \
             config, model, key_layout_id, namespace, memo
+        self.layout_id = layout_id
 
     def chunk_refs(self, tokens, namespace: str | None = None, *, extra_keys=None,
                    hasher=prefix_hashes) -> tuple[np.ndarray, list[ChunkRef]]:
@@ -44,6 +54,8 @@ class PromptKeys:
         one document, cut into chunks with its partial tail and chained from the segment root. The refs are
         memoised. Raises InputError on bad tokens or extra keys
         (and what ``hasher`` raises)."""
+        if isinstance(tokens, PageChain):
+            return tokens.token_array(), self._page_refs(tokens, namespace, extra_keys)
         arr, ns, extra, memo_key, refs = self._recall(tokens, namespace, extra_keys)
         if refs is None:
             refs, num_digests = self._refs(arr, ns, extra, hasher)
@@ -56,6 +68,8 @@ class PromptKeys:
         chunk alone, nothing memoised (``whole`` True only when that is every chunk). Only that chunk's blocks
         are hashed: a lookup whose first chunk no tier holds needs no more, and most lookups of new prompts
         are such. Validates as ``chunk_refs`` and raises what it raises."""
+        if isinstance(tokens, PageChain):
+            return tokens.token_array(), self._page_refs(tokens, namespace, extra_keys), True
         arr, ns, extra, _, refs = self._recall(tokens, namespace, extra_keys)
         if refs is not None:
             return arr, refs, True
@@ -86,6 +100,17 @@ class PromptKeys:
             refs.append(ChunkRef(i, key, start, stop, blocks))
         return refs, len(digests)
 
+    def _page_refs(self, chain: PageChain, namespace: str | None, extra_keys) -> list[ChunkRef]:
+        """The refs of a ``PageChain``'s pages; its ``parent`` goes with the blocks (the events' first parent)."""
+        if extra_keys is not None:
+            raise InputError("a PageChain takes no extra_keys: the engine's page keys already hash what it keys on")
+        ns = self.namespace if namespace is None else namespace
+        p = chain.page_size
+        layout_id = self.key_layout_id if self.layout_id is None else chunk_layout_id(self.layout_id, p)
+        blocks = PromptBlocks(p, list(chain.hashes), None, chain.parent)
+        return [ChunkRef(i, ChunkKey(self.model, layout_id, ns, digest), i * p, (i + 1) * p, blocks)
+                for i, digest in enumerate(chain.hashes)]
+
     def _memo_key(self, tokens, namespace, extra_keys) -> tuple:
         """(token array, namespace, checked extra keys, memo key); the ids' sign is not checked yet."""
         arr = as_token_array(tokens, check_ids=False)
@@ -98,6 +123,8 @@ class PromptKeys:
     def memoised(self, tokens, namespace: str | None = None, *, extra_keys=None) -> bool:
         """Whether ``chunk_refs`` of this prompt would come from the lookup memo (no hashing). Raises
         InputError as ``chunk_refs``."""
+        if isinstance(tokens, PageChain):
+            return True  # nothing to hash
         return self._recall(tokens, namespace, extra_keys)[4] is not None
 
     def _recall(self, tokens, namespace, extra_keys) -> tuple:

@@ -16,6 +16,7 @@ from kvtier.errors import KVTierError
 from kvtier.hashing import prefix_hashes
 from kvtier.keys import tenant_namespace
 from kvtier.layout import KVLayout
+from kvtier.pages import PageChain
 from kvtier.server.limits import ClientUsage
 
 
@@ -52,11 +53,12 @@ class Session:
         """A request's namespace as the server keys it (None: the session's default)."""
         return scoped_namespace(self.tenant, namespace)
 
-    def prompt(self, msg) -> tuple[np.ndarray, str | None]:
+    def prompt(self, msg) -> tuple[np.ndarray | PageChain, str | None]:
         """The prompt of a request with ``tokens`` as this session's cache takes it: the int64 token ids (their
-        sign not checked here: ``PromptKeys.chunk_refs`` checks a prompt it has not seen) and the namespace.
-        Raises InputError for a tokens field that is not int64 ids."""
-        return P.unpack_tokens(msg.tokens, check_ids=False), self.namespace_for(msg.namespace)
+        sign not checked here: ``PromptKeys.chunk_refs`` checks a prompt it has not seen), or the ``PageChain``
+        of its ``pages`` (v6), and the namespace. Raises InputError for a tokens field that is not int64 ids or
+        for pages next to tokens (``protocol.unpack_prompt``)."""
+        return P.unpack_prompt(msg, check_ids=False), self.namespace_for(msg.namespace)
 
     def chunk_refs(self, msg, hasher=prefix_hashes) -> tuple[np.ndarray, list[ChunkRef]]:
         """``KVCache.chunk_refs`` of a request's prompt (``prompt``, with its extra keys): memoised, so the
