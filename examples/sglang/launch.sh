@@ -20,12 +20,9 @@ KVTIER_PORT=${KVTIER_PORT:-5555}
 KVTIER_EVENTS=${KVTIER_EVENTS:-tcp://127.0.0.1:5557}
 
 # the backend's extra config: SGLang's keys, then kvtier's (kvtier.<key>, docs/configuration.md)
-EXTRA=$(cat <<JSON
-{"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang", "class_name": "KVTierStorage",
- "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
- "kvtier.server_url": "tcp://127.0.0.1:$KVTIER_PORT", "kvtier.timeout_seconds": 2}
-JSON
-)
+EXTRA='{"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang", "class_name": "KVTierStorage", '
+EXTRA+='"interface_v1": 1, "hicache_storage_pass_prefix_keys": true, '
+EXTRA+="\"kvtier.server_url\": \"tcp://127.0.0.1:$KVTIER_PORT\", \"kvtier.timeout_seconds\": 2}"
 ARGS=(--model-path "$MODEL" --host 0.0.0.0 --port "$PORT" --page-size "$PAGE_SIZE"
       --enable-hierarchical-cache --hicache-ratio "${HICACHE_RATIO:-2}" --hicache-mem-layout page_first
       --hicache-write-policy write_through --hicache-storage-prefetch-policy timeout
