@@ -37,8 +37,10 @@ class EventEmitter:
     """The interface the cache calls when chunks appear in or leave a tier.
 
     Args:
-        config: a ``KVTierConfig``; uses ``kv_events.hash_format`` (``"int"``: uint64 ids, ``"bytes"``: digests)
-            and ``kv_events.include_token_ids`` (false: ``BlockStored.token_ids`` is empty).
+        config: a ``KVTierConfig``; uses ``kv_events.hash_format`` (``"int"``: uint64 ids, ``"bytes"``: digests),
+            ``kv_events.encoding`` (``"sglang"``: ids are the digests' first 8 bytes, SGLang's block ids; else their
+            last 8, vLLM's) and ``kv_events.include_token_ids`` (false: ``BlockStored.token_ids`` is empty; the
+            blocks of a ``PageChain`` never carry any).
         publisher: an object with ``publish(events, tenant=None, *, operator=True)`` (``EventPublisher``); None
             keeps the operator stream's events in memory for ``take_events()`` (in-process users such as the
             vLLM connector).

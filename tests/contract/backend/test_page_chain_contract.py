@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from support.server import LAYOUT
 
+from conftest import ADMIN_TOKEN
+
+from kvtier.client import Client
 from kvtier.errors import InputError
 from kvtier.pages import PageChain
 
@@ -93,7 +96,7 @@ def test_l2_pages_are_read_back_into_l1_verified(backend):
     kv = page_kv(5, pages.num_tokens)
     assert store(backend, pages, kv)[0] == 4
     assert backend.flush(60)
-    backend.clear("CPU", admin_token=_admin(backend)) if _admin(backend) else backend.clear("CPU")
+    backend.clear("CPU", **({"admin_token": ADMIN_TOKEN} if isinstance(backend, Client) else {}))
     assert backend.lookup_tiers(pages) == (4 * PAGE, 0)  # in L2 only
     num_tokens, copies = read(backend, pages)
     assert num_tokens == 4 * PAGE
@@ -116,9 +119,3 @@ def test_a_bad_chain_is_refused_when_made():
     with pytest.raises(InputError, match="hex"):
         PageChain.from_hex(["zz"], PAGE)
 
-
-def _admin(backend):
-    from conftest import ADMIN_TOKEN
-    from kvtier.client import Client
-
-    return ADMIN_TOKEN if isinstance(backend, Client) else None
