@@ -68,6 +68,7 @@ PROTOCOL_VERSION = 6  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.ten
 # 4: Prefetch, deferred replies (promotions on a pool); 5: StoreBegin retention hints; 6: ``pages`` (engine page keys)
 MAX_HEADER_BYTES = 64 << 20  # a header holds token ids, never KV; 64 MiB is ~8M tokens
 MAX_TOKENS = 8 << 20
+MAX_PAGES = 1 << 16  # pages in one request's ``pages`` (SGLang asks about at most 128 a call); each is a chunk ref
 
 Id = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 # token ids travel as one binary field: little-endian int64, 8 bytes per token (pack_tokens / unpack_tokens)
@@ -109,7 +110,7 @@ class Pages(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     digest, and the server hashes nothing. ``parent``: the digest before ``hashes[0]`` (events), or None."""
 
     hashes: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]],
-                      msgspec.Meta(max_length=MAX_TOKENS)]
+                      msgspec.Meta(max_length=MAX_PAGES)]
     page_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
     parent: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)] | None = None
 

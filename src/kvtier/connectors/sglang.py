@@ -60,6 +60,7 @@ class KVTierStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Open the backend for this host pool's pages (its layout is part of every key)."""
+        self.close()  # attached again (SGLang's runtime attach): the old pool's backend goes
         self.mem_pool_host = mem_pool_host
         layout = pool_layout(mem_pool_host, self.storage_config)
         settings = self.config.connector
@@ -120,18 +121,20 @@ class KVTierStorage(HiCacheStorage):
     def close(self) -> None:
         if self.backend is not None:
             self._guard("close", None, self.backend.close)
-            self.backend = None
+            self.backend, self.pages = None, None
 
     def _guard(self, what: str, miss, call):
-        """``call()``, or ``miss`` (logged, counted) when it raises or the backend is not open: SGLang never sees
-        an exception from a storage call."""
+        """``call()``, or ``miss`` when the backend is not open or ``call`` raises (logged with its traceback,
+        counted in ``kvtier_connector_errors_total``): SGLang never sees an exception from a storage call. An
+        unreachable or slow server is not an exception: the backend answers it as a miss itself."""
         if self.pages is None:
             return miss
         try:
             return call()
-        except Exception:
-            self.metrics.inc("kvtier_client_unavailable_total")
-            logger.exception("kvtier storage: %s failed; answered as a miss", what)
+        except Exception:  # noqa: BLE001 - an outage is already a miss inside the backend: this is a bug, loud
+            self.metrics.inc("kvtier_connector_errors_total", op=what)
+            logger.exception("kvtier storage: %s failed unexpectedly; answered as a miss (kvtier_connector_errors_total)",
+                             what)
             return miss
 
 

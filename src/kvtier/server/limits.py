@@ -121,8 +121,10 @@ class ClientLimits:
         )
         self.max_reserved_bytes = self.levels[0].reserved_bytes
 
-    def check_prompt(self, tokens_field: bytes) -> str | None:
-        num_tokens = len(tokens_field) // 8
+    def check_prompt(self, tokens_field: bytes, pages=None) -> str | None:
+        """A refusal for a prompt over ``max_prompt_tokens``: its ``tokens`` field, or its ``pages`` (pages times
+        the page size), else None."""
+        num_tokens = len(tokens_field) // 8 + (len(pages.hashes) * pages.page_size if pages is not None else 0)
         if self.enabled and num_tokens > self.max_prompt_tokens:
             return (f"prompt of {num_tokens} tokens exceeds server.max_prompt_tokens ({self.max_prompt_tokens}); "
                     "send a shorter prompt or raise the server's max_prompt_tokens")

@@ -250,7 +250,7 @@ class KVTierServer:
             if refusal:
                 return limited_reply(self.metrics, msg, *refusal), []
             tokens = getattr(msg, "tokens", None)
-            if tokens is not None and (refusal := self.limits.check_prompt(tokens)):
+            if tokens is not None and (refusal := self.limits.check_prompt(tokens, getattr(msg, "pages", None))):
                 self.metrics.inc("kvtier_client_limit_exceeded_total", limit="prompt_tokens")
                 return error_reply(msg, "too_large", refusal), []
             if not hashed and (parked := self.prehash.park(identity, session, msg)):  # a long prompt: hashed first

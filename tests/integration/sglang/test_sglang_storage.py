@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from harness.kvtier_server import ServerProcess
+from harness.metrics import metric_value
 from harness.service_proc import free_port
 from harness.sglang import require_sglang, run_json, sglang_env
 
@@ -125,8 +126,11 @@ def test_batch_exists_counts_the_leading_pages_held(server, stored):
     probes = [keys[:50], keys + unknown, unknown[:1] + keys[1:], keys[:130] + unknown + keys[130:], []]
     case = {"pool": POOLS["mha-page_first"], "extra": extra(server.url), "storage": {"tp_size": 2, "tp_rank": 0},
             "ops": [{"op": "exists", "keys": probe} for probe in probes[:-1]]}
+    before = metric_value(server.metrics_text(), "kvtier_lookup_requests_total")
     answers = [op["exists"] for op in run([case])[0]["ops"]]
     assert answers == [50, NUM_PAGES, 0, 130]
+    # one lookup per batch SGLang asks about: 1, 2 (128 + 77), 1 (its first page is missing), 2 (128, then 2 + a miss)
+    assert metric_value(server.metrics_text(), "kvtier_lookup_requests_total") - before == 6
 
 
 def test_another_model_rank_or_layout_never_hits(server, stored):
