@@ -101,7 +101,8 @@ class KVTierStorage(HiCacheStorage):
         return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        targets = target_locations or [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page()
+                   for t in (target_locations or [None] * len(keys))]
         done = self._guard("batch_get", [False] * len(keys), lambda: self.pages.get_flat(self.pages.chain(keys), targets))
         return [target if ok else None for target, ok in zip(targets, done)]
 

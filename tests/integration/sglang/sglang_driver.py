@@ -85,6 +85,7 @@ def run_op(backend, pool, op: dict, state: dict) -> dict:
         flat = [pool.get_dummy_flat_data_page().normal_() for _ in keys]
         out = {"set": [backend.set(k, v) for k, v in zip(keys, flat)], "exists": [backend.exists(k) for k in keys]}
         got = [backend.get(k, pool.get_dummy_flat_data_page()) for k in keys]
+        got[0] = backend.get(keys[0])  # no target: the backend makes one
         out["equal"] = [g is not None and torch.equal(g.view(torch.uint8), v.view(torch.uint8)) for g, v in zip(got, flat)]
         out["sha"] = [hashlib.sha256(v.view(torch.uint8).numpy().tobytes()).hexdigest() for v in flat]
     elif kind == "wait":
