@@ -3,6 +3,7 @@
 #
 #   examples/server.sh                       # 1 GB L1, LRU, local-disk L2 under ./kvtier-l2
 #   L1_SIZE_GB=8 L2_PATH=/data/kvtier examples/server.sh -- python my_engine.py
+#   KVTIER_SERVER_FLAGS="--enable-kv-events" examples/server.sh   # more `kvtier server` flags (split on spaces)
 #
 # With a command after "--", it runs that command against the server and stops the server afterwards;
 # without one, it keeps the server in the foreground until Ctrl-C.
@@ -16,7 +17,8 @@ POLICY=${POLICY:-LRU}
 L2_PATH=${L2_PATH:-./kvtier-l2}
 
 $KVTIER server --port "$PORT" --admin-port "$ADMIN_PORT" --l1-size-gb "$L1_SIZE_GB" \
-  --eviction-policy "$POLICY" --l2-adapter "{\"type\": \"local_disk\", \"path\": \"$L2_PATH\"}" &
+  --eviction-policy "$POLICY" --l2-adapter "{\"type\": \"local_disk\", \"path\": \"$L2_PATH\"}" \
+  ${KVTIER_SERVER_FLAGS:-} &
 SERVER_PID=$!
 stop_server() {
   if kill -0 "$SERVER_PID" 2>/dev/null; then

@@ -7,7 +7,9 @@ one set of behavioural tests against both.
 
 Words and units:
   * ``tokens``: 1-D token ids (a list of ints, a numpy or torch integer array), length T; validated by
-    ``kvtier.hashing.as_token_array`` (InputError on anything else).
+    ``kvtier.hashing.as_token_array`` (InputError on anything else). Or a ``kvtier.pages.PageChain``: a prompt
+    named by its pages' digests as the engine computed them (SGLang's page keys), each page one chunk of
+    ``page_size`` tokens keyed by its digest; then no ``extra_keys`` and no ``start``.
   * A chunk is ``chunk_size`` consecutive tokens starting at a multiple of ``chunk_size``; chunk keys are
     prefix hashes, so chunk i is only found after chunks 0..i-1. Only whole chunks are stored (the partial
     tail too when the cache's ``save_unfull_chunk`` is on).

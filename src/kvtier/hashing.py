@@ -63,6 +63,12 @@ def event_id(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+def sglang_event_id(digest: bytes) -> int:
+    """High 64 bits of a digest, big-endian, as uint64: SGLang's block id of a page (``hash_str_to_int64`` of its
+    hex key, ``sglang.srt.mem_cache.utils``; the ``sglang`` event encoding writes it as the signed int64)."""
+    return int.from_bytes(digest[:8], "big")
+
+
 def as_token_array(tokens, *, check_ids: bool = True) -> np.ndarray:
     """Validate tokens as a 1-D sequence of non-negative ints; return them as an int64 numpy array.
 

@@ -28,7 +28,10 @@ Exchanges:
   ``Lookup``, ``Prefetch``, ``StoreBegin`` and ``RetrieveBegin`` carry the prompt's ``tokens`` and, optionally, its per-block
   ``extra_keys`` (one entry per block of ``block_size`` tokens, a trailing partial block included: null or an
   array of keys; a key is a str, bin, int, null or an array of those; see ``kvtier.extra_keys.check_extra_keys``).
-  The server checks them strictly (``bad_request`` names what is wrong) and hashes them as tuples.
+  The server checks them strictly (``bad_request`` names what is wrong) and hashes them as tuples. Instead of
+  ``tokens`` they may carry ``pages`` (v6): the prompt's chunks by the digests the engine computed for its pages
+  (SGLang's HiCache keys, ``kvtier.pages``), with ``tokens`` empty and no ``extra_keys`` or ``start``; the answers
+  count tokens as pages times ``page_size``.
   * ``StoreBegin`` (optional retention hints ``priority``, ``ttl_seconds``, ``session_id``, v5) -> ``StoreSlots``
     (the chunks to write; ``offset`` into the shared L1 arena, or -1
     when the bytes travel as frames) -> ``StoreCommit`` (+ one frame per slot in frames mode) -> ``StoreDone``.
@@ -59,11 +62,13 @@ import numpy as np
 
 from kvtier.errors import InputError
 from kvtier.hashing import as_token_array, check_token_ids
+from kvtier.pages import PageChain
 
-PROTOCOL_VERSION = 5  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant; 3: LookupReply.num_l1_tokens;
-# 4: Prefetch, deferred replies (promotions on a pool); 5: StoreBegin retention hints
+PROTOCOL_VERSION = 6  # 2: CurveZMQ transport, Clear.admin_token, HelloReply.tenant; 3: LookupReply.num_l1_tokens;
+# 4: Prefetch, deferred replies (promotions on a pool); 5: StoreBegin retention hints; 6: ``pages`` (engine page keys)
 MAX_HEADER_BYTES = 64 << 20  # a header holds token ids, never KV; 64 MiB is ~8M tokens
 MAX_TOKENS = 8 << 20
+MAX_PAGES = 1 << 16  # pages in one request's ``pages`` (SGLang asks about at most 128 a call); each is a chunk ref
 
 Id = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 # token ids travel as one binary field: little-endian int64, 8 bytes per token (pack_tokens / unpack_tokens)
@@ -99,10 +104,22 @@ class Hello(_Msg, tag="hello"):
 ExtraKeys = Annotated[list[Any], msgspec.Meta(max_length=MAX_TOKENS)]
 
 
+class Pages(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A prompt named by its pages' digests instead of its tokens (v6; ``kvtier.pages.PageChain``: SGLang's page
+    keys). Sent in ``pages`` with an empty ``tokens``; each page is one chunk of ``page_size`` tokens keyed by its
+    digest, and the server hashes nothing. ``parent``: the digest before ``hashes[0]`` (events), or None."""
+
+    hashes: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]],
+                      msgspec.Meta(max_length=MAX_PAGES)]
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+    parent: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)] | None = None
+
+
 class Lookup(_Msg, tag="lookup"):
     tokens: TokenIds
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
+    pages: Pages | None = None  # v6: the prompt by its page digests (then tokens is empty)
     start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
 
 
@@ -115,6 +132,7 @@ class StoreBegin(_Msg, tag="store_begin"):
     shm: bool = True
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
+    pages: Pages | None = None  # v6: the prompt by its page digests (then tokens is empty)
     start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
     priority: Any = None  # typed loosely so the server's check_hint names the field in its error
     ttl_seconds: Any = None
@@ -133,6 +151,7 @@ class RetrieveBegin(_Msg, tag="retrieve_begin"):
     shm: bool = True
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
+    pages: Pages | None = None  # v6: the prompt by its page digests (then tokens is empty)
     start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
 
 
@@ -146,6 +165,7 @@ class Prefetch(_Msg, tag="prefetch"):
     tokens: TokenIds
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
+    pages: Pages | None = None  # v6: the prompt by its page digests (then tokens is empty)
 
 
 class Clear(_Msg, tag="clear"):
@@ -300,6 +320,28 @@ def unpack_tokens(buf: bytes, *, check_ids: bool = True) -> np.ndarray:
         raise InputError(f"tokens field holds {len(buf)} bytes, not a multiple of 8 (little-endian int64 ids)")
     arr = np.frombuffer(buf, dtype="<i8")
     return check_token_ids(arr) if check_ids else arr
+
+
+def prompt_fields(tokens, extra_keys=None, start: int = 0) -> dict:
+    """The prompt fields of a request about ``tokens`` (token ids, or a ``PageChain``): ``{"tokens": ...}`` or
+    ``{"tokens": b"", "pages": Pages}``. Raises InputError for bad token ids, or a chain with ``extra_keys`` or a
+    ``start`` (the server would refuse them)."""
+    if isinstance(tokens, PageChain):
+        if extra_keys is not None or start:
+            raise InputError("a PageChain takes no extra_keys or start: the engine's page keys name its chunks")
+        return {"tokens": b"", "pages": Pages(list(tokens.hashes), tokens.page_size, tokens.parent)}
+    return {"tokens": pack_tokens(tokens)}
+
+
+def unpack_prompt(msg, *, check_ids: bool = True):
+    """The prompt of a request: its int64 token array (``unpack_tokens``), or the ``PageChain`` of its ``pages``.
+    Raises InputError for bad tokens, or for ``pages`` next to tokens, extra keys or a start offset."""
+    pages = getattr(msg, "pages", None)
+    if pages is None:
+        return unpack_tokens(msg.tokens, check_ids=check_ids)
+    if msg.tokens or getattr(msg, "extra_keys", None) is not None or getattr(msg, "start", 0):
+        raise InputError("a request with pages names its prompt by them alone: send no tokens, extra_keys or start")
+    return PageChain(tuple(pages.hashes), pages.page_size, pages.parent)
 
 
 def salvage_id(buf) -> int:

@@ -14,7 +14,7 @@ ROOT = Path(kvtier.__file__).resolve().parent  # the kvtier under test (a worktr
 LEAVES = ("kvtier.errors", "kvtier.units", "kvtier.proc", "kvtier.zmq_context")  # import no kvtier module but kvtier.errors
 VOCABULARY = ("kvtier.hashing", "kvtier.keys", "kvtier.extra_keys", "kvtier.identity", "kvtier.layout", "kvtier.record",
               "kvtier.tensors", "kvtier.metrics", "kvtier.protocol", "kvtier.shm", "kvtier.config", "kvtier.auth",
-              "kvtier.backend", "kvtier.models", "kvtier.codecs", "kvtier.hints")
+              "kvtier.backend", "kvtier.models", "kvtier.codecs", "kvtier.hints", "kvtier.pages")
 UPPER = ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
          "kvtier.events", "kvtier.demo", "kvtier.blend", "kvtier.trace")
 # (importers, the modules they must not import); a name covers its submodules

@@ -12,7 +12,8 @@ import kvtier
 
 ROOT = Path(kvtier.__file__).resolve().parent  # the kvtier under test (a worktree's src, or the install)
 PACKAGES = ("connectors", "client", "server", "cache", "l1", "l2", "events")
-# what a base class from outside kvtier sets for its subclasses (read from that library's source: vLLM 0.32, msgspec)
+# what a base class from outside kvtier sets for its subclasses (read from that library's source: vLLM 0.32, msgspec,
+# SGLang 0.5.23: HiCacheStorage's register_mem_pool_host sets mem_pool_host, which KVTierStorage overrides)
 FOREIGN_BASES = {
     "KVConnectorBase_V1": {"_kv_transfer_config", "_connector_metadata", "_get_connector_metadata", "_role",
                            "_vllm_config", "_kv_cache_config", "_kv_cache_manager"},
@@ -20,6 +21,7 @@ FOREIGN_BASES = {
     "KVConnectorMetadata": set(),
     "SupportsHMA": set(),
     "Struct": set(),  # msgspec
+    "HiCacheStorage": set(),
 }
 
 

@@ -65,7 +65,7 @@ class KVCache:
                 self.tiers.close()
             raise
         self.keys = PromptKeys(config, model, chunk_layout_id(layout.layout_id, config.chunk_size), namespace,
-                               self.tiers.memo, self.metrics)
+                               self.tiers.memo, self.metrics, layout.layout_id)
         self.lookups = Lookups(self.keys, self.tiers, config.chunk_size)
 
     # ---- keys and lookups ------------------------------------------------------------

@@ -19,9 +19,11 @@ import xxhash
 from kvtier.cache.memo import FINGERPRINT_TOKENS, LookupMemo, MemoEntry
 from kvtier.cache.tickets import ChunkRef, PromptBlocks
 from kvtier.config import KVTierConfig
+from kvtier.errors import InputError
 from kvtier.extra_keys import check_extra_keys, num_blocks_of
 from kvtier.hashing import as_token_array, check_token_ids, prefix_hashes
-from kvtier.keys import SEGMENT_SEED_SUFFIX, ChunkKey, is_segment_namespace
+from kvtier.keys import SEGMENT_SEED_SUFFIX, ChunkKey, chunk_layout_id, is_segment_namespace
+from kvtier.pages import PageChain
 
 
 class PromptKeys:
@@ -34,13 +36,19 @@ class PromptKeys:
         namespace: the default namespace.
         memo: the memo the refs are kept in (thread-safe; shared).
         metrics: where ``kvtier_hashed_tokens_total`` is counted (None: nowhere).
+        layout_id: the KV layout's own id, for the keys of a ``PageChain``'s pages (``chunk_layout_id`` with the
+            page size); None: ``key_layout_id``.
+
+    Every method that takes ``tokens`` also takes a ``kvtier.pages.PageChain`` (an engine's page keys): page i is
+    chunk i, tokens ``[i * page_size, (i + 1) * page_size)``, keyed by its own digest; nothing is hashed or
+    memoised, and the token array returned is ``PageChain.token_array`` (the chain names no token ids).
     """
 
     def __init__(self, config: KVTierConfig, model: str, key_layout_id: str, namespace: str, memo: LookupMemo,
-                 metrics=None):
+                 metrics=None, layout_id: str | None = None):
         self.config, self.model, self.key_layout_id, self.namespace, self.memo = \
             config, model, key_layout_id, namespace, memo
-        self.metrics = metrics
+        self.metrics, self.layout_id = metrics, layout_id
         c = config.chunk_size
         self._stride = -(-FINGERPRINT_TOKENS // c) * c  # fingerprints at whole chunks
 
@@ -53,6 +61,8 @@ class PromptKeys:
         segment namespace (``keys.segment_namespace``) the tokens are one document, cut into chunks with its
         partial tail and chained from the segment root. The refs are memoised. Raises InputError on bad tokens
         or extra keys (and what ``hasher`` raises)."""
+        if isinstance(tokens, PageChain):
+            return tokens.token_array(), self._page_refs(tokens, namespace, extra_keys)
         arr, refs, _ = self._resolve(tokens, namespace, extra_keys, hasher, None)
         return arr, refs
 
@@ -62,11 +72,15 @@ class PromptKeys:
         ``min_chunks`` chunks, else those of its first ``min_chunks`` chunks, hashed now and not memoised;
         ``whole``: the refs are every chunk's. A lookup whose known chunks are not all held needs no more: most
         lookups of new prompts hash one chunk, not the whole prompt. Validates as ``chunk_refs``."""
+        if isinstance(tokens, PageChain):
+            return tokens.token_array(), self._page_refs(tokens, namespace, extra_keys), True
         return self._resolve(tokens, namespace, extra_keys, prefix_hashes, max(1, min_chunks))
 
     def unhashed_tokens(self, tokens, namespace: str | None = None, *, extra_keys=None) -> int:
         """How many tokens ``chunk_refs`` would hash (0: the prompt is memoised). Raises InputError as
         ``chunk_refs``."""
+        if isinstance(tokens, PageChain):
+            return 0  # nothing to hash
         arr, ns, extra = self._checked(tokens, namespace, extra_keys)
         found, _ = self._find(arr, ns, extra)
         return self._end(arr, ns) - (found[1] if found else 0)
@@ -145,6 +159,17 @@ class PromptKeys:
             out.append((end, state.intdigest()))
             pos = end
         return out
+
+    def _page_refs(self, chain: PageChain, namespace: str | None, extra_keys) -> list[ChunkRef]:
+        """The refs of a ``PageChain``'s pages; its ``parent`` goes with the blocks (the events' first parent)."""
+        if extra_keys is not None:
+            raise InputError("a PageChain takes no extra_keys: the engine's page keys already hash what it keys on")
+        ns = self.namespace if namespace is None else namespace
+        p = chain.page_size
+        layout_id = self.key_layout_id if self.layout_id is None else chunk_layout_id(self.layout_id, p)
+        blocks = PromptBlocks(p, list(chain.hashes), None, chain.parent)
+        return [ChunkRef(i, ChunkKey(self.model, layout_id, ns, digest), i * p, (i + 1) * p, blocks)
+                for i, digest in enumerate(chain.hashes)]
 
     def _refs(self, ns: str, digests: list[bytes], extra, end: int, known: list[ChunkRef]) -> list[ChunkRef]:
         """The refs of the prompt's first ``end`` tokens from its block ``digests`` (the keys of ``known`` refs,

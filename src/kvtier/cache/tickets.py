@@ -20,11 +20,13 @@ from kvtier.keys import ChunkKey
 @dataclass(slots=True)
 class PromptBlocks:
     """One prompt's block digests (``block_size`` tokens each; with ``save_unfull_chunk`` the last may be
-    partial) and the per-block extra keys they were hashed with: what chunk keys and events are made of."""
+    partial) and the per-block extra keys they were hashed with: what chunk keys and events are made of.
+    ``parent``: the digest before ``digests[0]`` when they do not start the sequence (a ``PageChain``'s)."""
 
     block_size: int
     digests: list[bytes]
     extra_keys: tuple | None
+    parent: bytes | None = None
 
 
 @dataclass(slots=True)

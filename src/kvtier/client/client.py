@@ -27,6 +27,7 @@ from kvtier.hashing import as_token_array
 from kvtier.hints import RetentionHint
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
+from kvtier.pages import PageChain
 from kvtier.tensors import as_numpy, chunk_view, copy_from, empty_kv, join_chunks
 
 FLUSH_REPLY_GRACE_SECONDS = 5.0  # a Flush reply may arrive this long after the server's own deadline
@@ -92,9 +93,9 @@ class Client:
 
     def lookup_tiers(self, tokens, namespace: str | None = None, *, extra_keys=None, start: int = 0) -> TierHits:
         """``lookup`` split by tier (``KVBackend.lookup_tiers``): (0, 0) when the server is unavailable."""
-        packed = P.pack_tokens(tokens)  # checked before the lock
+        prompt = P.prompt_fields(tokens, extra_keys, start)  # checked before the lock
         with self.transport.lock:
-            reply, _ = self.transport.call(P.Lookup(id=self.transport.new_id(), tokens=packed, namespace=namespace,
+            reply, _ = self.transport.call(P.Lookup(id=self.transport.new_id(), **prompt, namespace=namespace,
                                            extra_keys=extra_keys, start=_start(start)))
         if not isinstance(reply, P.LookupReply):
             return TierHits(0, 0)
@@ -107,9 +108,9 @@ class Client:
         ``promote_timeout_seconds``, bounded by ``timeout_seconds``) and return the leading tokens L1 holds then.
         A prefetch of evicted chunks is a miss, never an error. 0 when the server is unavailable. Raises
         InputError for bad tokens."""
-        packed = P.pack_tokens(tokens)
+        prompt = P.prompt_fields(tokens, extra_keys)
         with self.transport.lock:
-            msg = P.Prefetch(id=self.transport.new_id(), tokens=packed, namespace=namespace, extra_keys=extra_keys)
+            msg = P.Prefetch(id=self.transport.new_id(), **prompt, namespace=namespace, extra_keys=extra_keys)
             if not wait:
                 self.transport.post(msg)
                 return 0
@@ -138,12 +139,12 @@ class Client:
         whatever ``fill`` raises aborts the reservation and is raised. ``hint``: retention hint
         (``kvtier.hints.check_hint``) for the prompt's chunks; a server refusing it answers ``bad_request``.
         """
-        packed = P.pack_tokens(tokens)
+        prompt = P.prompt_fields(tokens, extra_keys, start)
         fields = {} if hint is None else {"priority": hint.priority or None, "ttl_seconds": hint.ttl_seconds,
                                           "session_id": hint.session_id}
         with self.transport.lock:
             shm = self.transport.arena is not None
-            reply, _ = self.transport.call(P.StoreBegin(id=self.transport.new_id(), tokens=packed, shm=shm,
+            reply, _ = self.transport.call(P.StoreBegin(id=self.transport.new_id(), **prompt, shm=shm,
                                                         namespace=namespace, extra_keys=extra_keys, start=_start(start),
                                                         **fields))
             if not isinstance(reply, P.StoreSlots) or not reply.slots:
@@ -151,7 +152,7 @@ class Client:
             got_at = time.monotonic()
             ok, frames = False, []
             try:
-                ok, frames = self._fill_slots(reply.slots, fill, got_at)
+                ok, frames = self._fill_slots(reply.slots, fill, got_at, _tokens_per_chunk(tokens, self.info))
             finally:  # commit, or abort on a failure of ``fill``: never leave the reservation to expire
                 done, _ = self.transport.call(P.StoreCommit(id=self.transport.new_id(), ticket=reply.ticket, ok=ok),
                                      frames if ok else [], retry=False)
@@ -159,8 +160,8 @@ class Client:
             self._unflushed.add(self.info.server_id)
         return done.num_stored if isinstance(done, P.StoreDone) else 0
 
-    def _fill_slots(self, slots, fill: Fill, got_at: float) -> tuple[bool, list]:
-        chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()
+    def _fill_slots(self, slots, fill: Fill, got_at: float, chunk_size: int) -> tuple[bool, list]:
+        dtype = self.layout.numpy_dtype()
         in_shm = slots[0].offset >= 0 and self.transport.arena is not None
         # never write after half the lease: past the lease the server may have reused the slot
         budget = self.info.lease_seconds / 2
@@ -199,12 +200,12 @@ class Client:
         been reused) or no reply came within ``timeout_seconds`` (counted from the call): discard the copy.
         Raises InputError for bad tokens.
         """
-        packed = P.pack_tokens(tokens)
+        prompt = P.prompt_fields(tokens, extra_keys, start)
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         got = Retrieved()
         with self.transport.lock:
             shm = self.transport.arena is not None
-            reply, payload = self.transport.call(P.RetrieveBegin(id=self.transport.new_id(), tokens=packed, shm=shm,
+            reply, payload = self.transport.call(P.RetrieveBegin(id=self.transport.new_id(), **prompt, shm=shm,
                                                         namespace=namespace, extra_keys=extra_keys,
                                                         start=_start(start)),
                                         deadline=deadline)
@@ -219,7 +220,7 @@ class Client:
                 buffers = []
             if buffers:
                 got.num_tokens, got.ok = reply.num_tokens, True
-                got.chunks = self._chunk_views(reply.slots, buffers)
+                got.chunks = self._chunk_views(reply.slots, buffers, _tokens_per_chunk(tokens, self.info))
             try:
                 yield got
             finally:
@@ -233,8 +234,8 @@ class Client:
         for slot in slots:
             self.transport.arena.populate(slot.offset, slot.nbytes)
 
-    def _chunk_views(self, slots, buffers) -> list:
-        chunk_size, dtype = self.info.chunk_size, self.layout.numpy_dtype()
+    def _chunk_views(self, slots, buffers, chunk_size: int) -> list:
+        dtype = self.layout.numpy_dtype()
         out = []
         for slot, buf in zip(slots, buffers):
             view = chunk_view(buf, self.layout, D.slot_tokens(slot, self.layout), dtype)
@@ -305,6 +306,11 @@ class Client:
 
 def _frames_match(payload, slots) -> bool:
     return len(payload) == len(slots) and all(len(f) == s.nbytes for f, s in zip(payload, slots))
+
+
+def _tokens_per_chunk(tokens, info: P.HelloReply) -> int:
+    """A prompt's chunk size: the page size of a ``PageChain``, else the server's chunk size."""
+    return tokens.page_size if isinstance(tokens, PageChain) else info.chunk_size
 
 
 def _start(start) -> int:

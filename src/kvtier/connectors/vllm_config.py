@@ -34,7 +34,8 @@ def valid_keys() -> list[str]:
     return [PREFIX + k for k in [*ConnectorConfig.model_fields, *tree]]
 
 
-def connector_config(extra: dict[str, Any] | None, engine: dict[str, Any], environ: dict | None = None) -> KVTierConfig:
+def connector_config(extra: dict[str, Any] | None, engine: dict[str, Any], environ: dict | None = None,
+                     where: str = "kv_connector_extra_config") -> KVTierConfig:
     """The connector's configuration: YAML file (``KVTIER_CONFIG_FILE``) < ``KVTIER_*`` < ``extra``, with
     ``engine`` (``VLLMIdentity.hash_settings()``: block_size, hash_algorithm, hash_seed) always winning.
 
@@ -42,6 +43,8 @@ def connector_config(extra: dict[str, Any] | None, engine: dict[str, Any], envir
     ``connector`` section (``kvtier.server_url``) or of the top level (``kvtier.l1_size_gb``, nested keys
     with dots: ``kvtier.kv_events.endpoint``). ``kvtier.local_disk`` adds a local_disk L2 in front of
     ``kvtier.l2_adapters``.
+
+    ``where``: what the errors call ``extra`` (the SGLang backend's ``--hicache-storage-backend-extra-config``).
 
     Raises:
         ConfigError: an unknown key (with the nearest valid one), an engine setting given by the user,
@@ -62,7 +65,7 @@ def connector_config(extra: dict[str, Any] | None, engine: dict[str, Any], envir
         elif not path or path[0] not in KVTierConfig.model_fields or path[0] in _NOT_FOR_ENGINES:
             near = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.6)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ConfigError(f"unknown kvtier connector key {key!r} in kv_connector_extra_config; {hint}"
+            raise ConfigError(f"unknown kvtier connector key {key!r} in {where}; {hint}"
                               f"valid keys: {', '.join(valid_keys())}")
         node = data
         for part in path[:-1]:
@@ -83,7 +86,7 @@ def connector_config(extra: dict[str, Any] | None, engine: dict[str, Any], envir
         return load_config(overrides=data, environ=environ)
     except ConfigError as exc:
         text = str(exc).replace("key 'connector.", f"key '{PREFIX}")
-        raise ConfigError(f"{text} (kv_connector_extra_config: {extra})") from None
+        raise ConfigError(f"{text} ({where}: {extra})") from None
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ from collections import Counter
 
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from kvtier.extra_keys import event_extra_keys, lora_name_of
-from kvtier.hashing import event_id
+from kvtier.hashing import event_id, sglang_event_id
 from kvtier.events.publisher import ALL_STREAMS
 from kvtier.keys import namespace_tenant, parse_name
+from kvtier.pages import UNKNOWN_TOKEN
 
 MEDIUMS = ("GPU", "CPU", "STORAGE")
 
@@ -36,8 +37,10 @@ class EventEmitter:
     """The interface the cache calls when chunks appear in or leave a tier.
 
     Args:
-        config: a ``KVTierConfig``; uses ``kv_events.hash_format`` (``"int"``: uint64 ids, ``"bytes"``: digests)
-            and ``kv_events.include_token_ids`` (false: ``BlockStored.token_ids`` is empty).
+        config: a ``KVTierConfig``; uses ``kv_events.hash_format`` (``"int"``: uint64 ids, ``"bytes"``: digests),
+            ``kv_events.encoding`` (``"sglang"``: ids are the digests' first 8 bytes, SGLang's block ids; else their
+            last 8, vLLM's) and ``kv_events.include_token_ids`` (false: ``BlockStored.token_ids`` is empty; the
+            blocks of a ``PageChain`` never carry any).
         publisher: an object with ``publish(events, tenant=None, *, operator=True)`` (``EventPublisher``); None
             keeps the operator stream's events in memory for ``take_events()`` (in-process users such as the
             vLLM connector).
@@ -47,6 +50,8 @@ class EventEmitter:
 
     def __init__(self, config, publisher=None) -> None:
         self.raw_bytes = config.kv_events.hash_format == "bytes"
+        # a block's id as its engine derives it: vLLM's low 64 bits, or SGLang's high 64 (its page keys' ids)
+        self._id_of = sglang_event_id if config.kv_events.encoding == "sglang" else event_id
         self.include_token_ids = getattr(config.kv_events, "include_token_ids", True)
         self.publisher = publisher
         self._lock = threading.Lock()
@@ -57,7 +62,7 @@ class EventEmitter:
 
     # ------------------------------------------------------------------ helpers
     def _id(self, digest: bytes):
-        return digest if self.raw_bytes else event_id(digest)
+        return digest if self.raw_bytes else self._id_of(digest)
 
     def _counts(self, tenant: str | None, medium: str) -> Counter:
         return self._held.setdefault(tenant, {}).setdefault(medium, Counter())
@@ -116,13 +121,13 @@ class EventEmitter:
         lo_tok, hi_tok = run[0].start, run[-1].end
         digests, extra = blocks.digests, blocks.extra_keys
         ids = [self._id(d) for d in digests[lo:hi]]
-        parent = self._id(digests[lo - 1]) if lo else None
+        parent = self._id(digests[lo - 1]) if lo else self._id(blocks.parent) if blocks.parent else None
         per_block = [event_extra_keys(e) for e in extra[lo:hi]] if extra is not None else [None] * len(ids)
         lora_name = lora_name_of(extra[lo]) if extra is not None else None
         token_ids = tokens[lo_tok:hi_tok]
         token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
         n_full = (hi_tok - lo_tok) // bs
-        keep = self.include_token_ids
+        keep = self.include_token_ids and not (token_ids and token_ids[0] == UNKNOWN_TOKEN)  # a PageChain's: none
         out = []
         if n_full:
             out.append(BlockStored(ids[:n_full], parent, token_ids[:n_full * bs] if keep else [], bs, None, medium,

@@ -11,7 +11,8 @@ Encodings (``kv_events.encoding``):
 - ``vllm-legacy``: each event is a tagged array, vLLM 0.10.2-0.13 layout
   (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``).
 - ``sglang``: tagged maps with SGLang's field set (no ``extra_keys``/``group_idx``); integer hashes are
-  written as signed int64 as SGLang does (same 64 bits).
+  written as signed int64 as SGLang does (same 64 bits; with this encoding the emitter takes a digest's first 8
+  bytes, SGLang's id of a page: ``hashing.sglang_event_id``).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from kvtier.cache.tickets import ChunkRef
 from kvtier.errors import ConfigError
 from kvtier.hashing import prefix_hashes
 from kvtier.keys import ChunkKey
+from kvtier.pages import PageChain
 from kvtier.proc import pid_start_time
 from kvtier.server.handshake import HandshakeRefused, check_hello, handshake_values, scoped_namespace
 from kvtier.server.limits import ClientLimits, ClientUsage
@@ -125,11 +126,12 @@ class Connection:
         """A request's namespace as the server keys it (None: the connection's default)."""
         return scoped_namespace(self.tenant, namespace)
 
-    def prompt(self, msg) -> tuple[np.ndarray, str | None]:
+    def prompt(self, msg) -> tuple[np.ndarray | PageChain, str | None]:
         """The prompt of a request with ``tokens`` as this connection's cache takes it: the int64 token ids (their
-        sign not checked here: ``PromptKeys`` checks what it has not seen) and the namespace. Raises InputError
-        for a tokens field that is not int64 ids."""
-        return P.unpack_tokens(msg.tokens, check_ids=False), self.namespace_for(msg.namespace)
+        sign not checked here: ``PromptKeys`` checks what it has not seen), or the ``PageChain`` of its
+        ``pages``, and the namespace. Raises InputError for a tokens field that is not int64 ids or for pages next
+        to tokens (``protocol.unpack_prompt``)."""
+        return P.unpack_prompt(msg, check_ids=False), self.namespace_for(msg.namespace)
 
     def chunk_refs(self, msg, hasher=prefix_hashes) -> tuple[np.ndarray, list[ChunkRef]]:
         """``KVCache.chunk_refs`` of a request's prompt (``prompt``, with its extra keys): hashed once. Raises

@@ -143,15 +143,17 @@ class ClientLimits:
         if refusal:
             return ("limit_exceeded", *refusal)
         tokens = getattr(msg, "tokens", None)
-        if tokens is not None and (message := self.check_prompt(tokens)):
+        if tokens is not None and (message := self.check_prompt(tokens, getattr(msg, "pages", None))):
             return "too_large", "prompt_tokens", message
         namespace = getattr(msg, "namespace", None)
         if namespace is not None and (message := identity_refusal(self.srv, namespace=namespace)):
             return "too_large", "namespace_bytes", message
         return None
 
-    def check_prompt(self, tokens_field: bytes) -> str | None:
-        num_tokens = len(tokens_field) // 8
+    def check_prompt(self, tokens_field: bytes, pages=None) -> str | None:
+        """A refusal for a prompt over ``max_prompt_tokens``: its ``tokens`` field, or its ``pages`` (pages times
+        the page size), else None."""
+        num_tokens = len(tokens_field) // 8 + (len(pages.hashes) * pages.page_size if pages is not None else 0)
         if self.enabled and num_tokens > self.max_prompt_tokens:
             return (f"prompt of {num_tokens} tokens exceeds server.max_prompt_tokens ({self.max_prompt_tokens}); "
                     "send a shorter prompt or raise the server's max_prompt_tokens")
