@@ -241,12 +241,14 @@ def test_a_client_whose_call_timed_out_leaves_no_session_behind(tmp_path):
     """A load deadline shorter than a slow L2 read resets the client's socket; it says Bye on the old one, so the
     server does not keep (and count against the user's connections) a session per timed-out call."""
     prompts = [prompt(40 + i, 2) for i in range(6)]
-    with server(tmp_path, faulty(tmp_path, 0.5, ["get"]), max_connections_per_principal=3) as srv, \
+    # the L2 read never returns: no reply can beat the call's deadline, however long this process is descheduled
+    # (a 0.5 s read did, when the test stalled between sending and starting its 0.2 s wait)
+    with server(tmp_path, faulty(tmp_path, HANG_SECONDS, ["get"]), max_connections_per_principal=3) as srv, \
             Client(srv.url, model="m", layout=LAYOUT, retry_after_seconds=0.05) as engine:
         for tokens, kv in prompts:
             only_in_l2(engine, tokens, kv)
         for tokens, _ in prompts:
-            with engine.retrieve_chunks(tokens, timeout_seconds=0.2) as got:  # the promotion takes 0.5 s
+            with engine.retrieve_chunks(tokens, timeout_seconds=0.2) as got:  # the promotion hangs
                 assert not got.ok or got.num_tokens == 0
             time.sleep(0.1)  # past retry_after_seconds: the next call reconnects
         wait_for(lambda: metric_value(srv.metrics_text(), "kvtier_connected_clients") <= 1, 10, "sessions to end")
