@@ -151,7 +151,12 @@ def test_a_client_without_the_secret_gets_misses_and_says_what_to_do(tmp_path, m
             with Client(server.url, model="m", layout=LAYOUT, secret_file=secret_file, timeout_seconds=2.0) as client:
                 assert client.info is None
                 assert client.lookup(tokens) == 0 and client.store(tokens, kv_for(CHUNK, 3)) == 0
-                assert message in caplog.text, (secret_file, caplog.text)
+
+                def told() -> bool:  # a refused handshake is seen when it ends, on the server's time: each call
+                    assert client.lookup(tokens) == 0  # looks for it (and stays a miss)
+                    return message in caplog.text
+
+                wait_for(told, what=f"{message!r} in the log, for secret file {secret_file}")
         assert server.proc.poll() is None
         with Client(server.url, model="m", layout=LAYOUT, secret_file=secret) as client:
             assert client.store(tokens, kv_for(CHUNK, 3)) == 1
