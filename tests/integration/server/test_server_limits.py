@@ -46,7 +46,8 @@ def test_one_client_cannot_keep_l1_reserved(tmp_path):
 
 def test_live_leases_are_bounded_and_expiries_are_logged_sparingly(tmp_path):
     config = {"server": {"max_leases_per_client": 5}}
-    with ServerProc(tmp_path, l1="1MB", lease_seconds=1, config=config) as server, \
+    # the 8 requests must all come before the first 5 leases end: 3 s of the machine's time for them, not 1 s
+    with ServerProc(tmp_path, l1="1MB", lease_seconds=3, config=config) as server, \
             Client(server.url, model="m", layout=LAYOUT) as honest:
         stored = tokens_of(1, 2)
         assert honest.store(stored, kv_for(stored, 2)) == 2
