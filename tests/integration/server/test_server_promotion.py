@@ -124,7 +124,8 @@ def test_a_lookup_completes_while_a_promotion_is_stuck(tmp_path):
 
 def test_disconnect_during_promotion_leaks_nothing(tmp_path):
     tokens, kv = prompt(5, 2)
-    with server(tmp_path, faulty(tmp_path, 1.5, ["get"]), promote_timeout_seconds=30.0, lease_seconds=1.0) as srv:
+    # a 3 s read: the Bye below must come while it runs, however slow this process is to send it
+    with server(tmp_path, faulty(tmp_path, 3.0, ["get"]), promote_timeout_seconds=30.0, lease_seconds=1.0) as srv:
         with Client(srv.url, model="m", layout=LAYOUT) as client:
             only_in_l2(client, tokens, kv)
             # a client that says Bye while its promotion runs: the result pins nothing and is not sent
@@ -196,7 +197,8 @@ def test_clear_does_not_wait_for_the_write_queue(tmp_path):
 def test_a_retrieve_during_its_prefetch_waits_for_that_read(tmp_path):
     tokens, kv = prompt(9, 5)
     head = tokens[:3 * CHUNK]
-    with server(tmp_path, faulty(tmp_path, 1.0, ["get"]), promote_timeout_seconds=30.0) as srv:
+    # a 3 s read: the retrieve below must come while it runs, however slow this process is to send it
+    with server(tmp_path, faulty(tmp_path, 3.0, ["get"]), promote_timeout_seconds=30.0) as srv:
         with Client(srv.url, model="m", layout=LAYOUT, timeout_seconds=20) as client:
             only_in_l2(client, tokens, kv)
             raw = Raw(srv.url)
