@@ -270,15 +270,16 @@ def test_tenants_reach_only_their_own_chunks(tmp_path):
 
 def test_flush_is_false_after_the_server_restarted(tmp_path):
     port = free_port()
-    slow = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "disk")}, "latency_seconds": 2,
-            "ops": ["put"]}
-    server = ServerProc(tmp_path, port=port, config={"l2_adapters": [slow]})
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk")}
+    # the first server's L2 write never ends (a 2 s one ended before the kill when this process was that slow)
+    hung = {"type": "faulty", "inner": disk, "latency_seconds": 3600, "ops": ["put"]}
+    server = ServerProc(tmp_path, port=port, config={"l2_adapters": [hung]})
     client = Client(server.url, model="m", layout=LAYOUT, retry_after_seconds=0.2)
     try:
         assert client.store(list(range(CHUNK)), kv_for(CHUNK, 8)) == 1  # acknowledged; L2 write still queued
         server.proc.kill()  # SIGKILL: the queued write is lost
         server.stop()
-        server = ServerProc(tmp_path, port=port, config={"l2_adapters": [slow]})
+        server = ServerProc(tmp_path, port=port, config={"l2_adapters": [disk]})
         assert wait_for(client.ping, what="the client to reconnect")
         assert client.flush(30.0) is False  # the write acknowledged before the restart is not durable
         assert client.flush(30.0) is True  # reported once
