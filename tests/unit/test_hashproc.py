@@ -68,7 +68,9 @@ def test_runs_at_a_lower_priority_and_stops_on_close(proc):
     assert child.poll() is not None
 
 
-def test_a_dead_child_is_replaced_after_the_backoff(proc, monkeypatch):
+def test_a_dead_child_is_replaced_after_the_backoff(proc):
+    now = [100.0]
+    proc.clock = lambda: now[0]  # the test's time: the backoff does not run out while this process waits
     tokens = np.arange(64)
     want = prefix_hashes(tokens, 16, "sha256", "s")
     assert proc.prefix_hashes(tokens, 16, "sha256", "s") == want
@@ -77,9 +79,10 @@ def test_a_dead_child_is_replaced_after_the_backoff(proc, monkeypatch):
     first.wait()
     with pytest.raises(HashProcessError):
         proc.prefix_hashes(tokens, 16, "sha256", "s")
+    now[0] += hashproc.RESTART_BACKOFF_SECONDS - 0.01
     with pytest.raises(HashProcessError, match="failed recently"):  # within the backoff: no restart storm
         proc.prefix_hashes(tokens, 16, "sha256", "s")
-    monkeypatch.setattr(hashproc, "RESTART_BACKOFF_SECONDS", 0.0)
+    now[0] += 0.01
     assert proc.prefix_hashes(tokens, 16, "sha256", "s") == want
     assert proc._proc.pid != first.pid
 

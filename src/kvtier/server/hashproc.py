@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -123,12 +124,15 @@ class HashProcess:
 
     Args:
         reply_timeout_seconds: the longest wait for one answer; then the child is killed and replaced.
+        clock: seconds, for the restart backoff; ``time.monotonic`` unless a test drives that time itself (the
+            wait for an answer is always real time).
     """
 
-    def __init__(self, reply_timeout_seconds: float = 5.0) -> None:
+    def __init__(self, reply_timeout_seconds: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.reply_timeout_seconds = reply_timeout_seconds
+        self.clock = clock
         self._proc: subprocess.Popen | None = None
-        self._failed_at = -RESTART_BACKOFF_SECONDS
+        self._failed_at = float("-inf")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(HashDone | HashFailed)
 
@@ -161,7 +165,7 @@ class HashProcess:
             if self._proc.poll() is None:
                 return self._proc
             self._fail(f"it exited with status {self._proc.returncode}")
-        if time.monotonic() - self._failed_at < RESTART_BACKOFF_SECONDS:
+        if self.clock() - self._failed_at < RESTART_BACKOFF_SECONDS:
             raise HashProcessError("the hashing process failed recently; hashing in process")
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "kvtier.server.hashproc"], stdin=subprocess.PIPE,
@@ -172,7 +176,7 @@ class HashProcess:
         return self._proc
 
     def _fail(self, why: str):
-        self._failed_at = time.monotonic()
+        self._failed_at = self.clock()
         self.close()
         log.warning("hashing process: %s; long prompts are hashed in the server process for %.0f s",
                     why, RESTART_BACKOFF_SECONDS)

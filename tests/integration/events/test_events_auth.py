@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 import zmq
-from support.server import CHUNK, LAYOUT, ServerProc, free_port, metric_value
+from support.server import CHUNK, LAYOUT, ServerProc, free_port, metric_value, wait_for
 
 from kvtier.auth.secret_file import (add_tenant, default_secret_file, subscriber_credentials, tenant_credentials,
                                      write_private)
@@ -117,7 +117,8 @@ def test_replay_is_scoped_like_the_live_stream(deployment):
     d = deployment
     tokens_a = list(range(100, 100 + CHUNK))
     assert d.store("team-a", tokens_a) == 1
-    time.sleep(0.3)
+    # its batch is in the replay rings before anyone subscribes: what ``a`` gets must come from the replay
+    wait_for(lambda: metric_value(d.server.metrics_text(), "kvtier_events_published_total"), 30, "the store's event")
     with d.subscriber("team-b", start_seq=0) as b, d.subscriber("team-a", start_seq=0) as a, \
             d.subscriber("*", start_seq=0) as op:
         assert stored_tokens(list(b.iter(timeout_seconds=1.0))) == []

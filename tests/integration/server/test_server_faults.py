@@ -205,18 +205,21 @@ def test_client_started_before_its_server_misses_then_connects(tmp_path):
 
 
 def test_a_stalled_client_discards_late_copies(tmp_path, monkeypatch):
-    """Fault injection around the real client: its copies stall past the lease."""
+    """Fault injection around the real client: its copies stall past the lease. The lease leaves the copies that do
+    not stall seconds of the machine's time (at 1 s they had half a second: the client writes no later than half
+    the lease), and the late copy waits for the server to report the expiry instead of sleeping past it."""
     import time
 
     from kvtier.client import client as client_module
 
-    with ServerProc(tmp_path, lease_seconds=1) as server, Client(server.url, model="m", layout=LAYOUT) as client:
+    lease = 4.0
+    with ServerProc(tmp_path, lease_seconds=lease) as server, Client(server.url, model="m", layout=LAYOUT) as client:
         tokens = list(range(300, 300 + 2 * CHUNK))
         kv = kv_for(tokens, 8)
         real_view = client_module.chunk_view
 
         def stalled_view(*args):
-            time.sleep(0.7)  # more than half the 1 s lease
+            time.sleep(lease / 2 + 0.1)  # more than half the lease: the client writes no later than that
             return real_view(*args)
 
         monkeypatch.setattr(client_module, "chunk_view", stalled_view)
@@ -225,8 +228,9 @@ def test_a_stalled_client_discards_late_copies(tmp_path, monkeypatch):
         monkeypatch.setattr(client_module, "chunk_view", real_view)
         assert client.store(tokens, kv) == 2
 
-        def very_stalled_view(*args):
-            time.sleep(1.5)  # past the whole lease: the server unpins before RetrieveEnd
+        def very_stalled_view(*args):  # past the whole lease: the server unpins before RetrieveEnd
+            wait_for(lambda: metric_value(server.metrics_text(), "kvtier_lease_expired_total", kind="retrieve"),
+                     what="the retrieve lease to expire")
             return real_view(*args)
 
         monkeypatch.setattr(client_module, "chunk_view", very_stalled_view)

@@ -49,7 +49,8 @@ def test_one_client_cannot_keep_l1_reserved(tmp_path):
 
 def test_live_leases_are_bounded_and_expiries_are_logged_sparingly(tmp_path):
     config = {"server": {"max_leases_per_client": 5}}
-    with ServerProc(tmp_path, l1="1MB", lease_seconds=1, config=config) as server, \
+    # the 8 requests must all come before the first 5 leases end: 3 s of the machine's time for them, not 1 s
+    with ServerProc(tmp_path, l1="1MB", lease_seconds=3, config=config) as server, \
             Client(server.url, model="m", layout=LAYOUT) as honest:
         stored = tokens_of(1, 2)
         assert honest.store(stored, kv_for(stored, 2)) == 2
@@ -73,8 +74,8 @@ def test_requests_in_flight_are_bounded(tmp_path):
     config = {"l2_adapters": [slow], "server": {"max_inflight_requests_per_client": 2}}
     with ServerProc(tmp_path, l1="1MB", config=config) as server, Client(server.url, model="m", layout=LAYOUT) as honest:
         stored = tokens_of(2)
+        hostile = Raw(server.url)  # connected first: only the three sends fall within the 3 s write
         assert honest.store(stored, kv_for(stored, 3)) == 1  # the L2 write takes 3 s: flushes wait
-        hostile = Raw(server.url)
         for _ in range(3):
             hostile.send(P.Flush(id=0, timeout_seconds=60))
         refused = hostile.recv()  # the third, answered at once; the first two wait for the L2 write

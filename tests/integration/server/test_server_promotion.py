@@ -124,7 +124,8 @@ def test_a_lookup_completes_while_a_promotion_is_stuck(tmp_path):
 
 def test_disconnect_during_promotion_leaks_nothing(tmp_path):
     tokens, kv = prompt(5, 2)
-    with server(tmp_path, faulty(tmp_path, 1.5, ["get"]), promote_timeout_seconds=30.0, lease_seconds=1.0) as srv:
+    # a 3 s read: the Bye below must come while it runs, however slow this process is to send it
+    with server(tmp_path, faulty(tmp_path, 3.0, ["get"]), promote_timeout_seconds=30.0, lease_seconds=1.0) as srv:
         with Client(srv.url, model="m", layout=LAYOUT) as client:
             only_in_l2(client, tokens, kv)
             # a client that says Bye while its promotion runs: the result pins nothing and is not sent
@@ -196,7 +197,8 @@ def test_clear_does_not_wait_for_the_write_queue(tmp_path):
 def test_a_retrieve_during_its_prefetch_waits_for_that_read(tmp_path):
     tokens, kv = prompt(9, 5)
     head = tokens[:3 * CHUNK]
-    with server(tmp_path, faulty(tmp_path, 1.0, ["get"]), promote_timeout_seconds=30.0) as srv:
+    # a 3 s read: the retrieve below must come while it runs, however slow this process is to send it
+    with server(tmp_path, faulty(tmp_path, 3.0, ["get"]), promote_timeout_seconds=30.0) as srv:
         with Client(srv.url, model="m", layout=LAYOUT, timeout_seconds=20) as client:
             only_in_l2(client, tokens, kv)
             raw = Raw(srv.url)
@@ -241,12 +243,14 @@ def test_a_client_whose_call_timed_out_leaves_no_session_behind(tmp_path):
     """A load deadline shorter than a slow L2 read resets the client's socket; it says Bye on the old one, so the
     server does not keep (and count against the user's connections) a session per timed-out call."""
     prompts = [prompt(40 + i, 2) for i in range(6)]
-    with server(tmp_path, faulty(tmp_path, 0.5, ["get"]), max_connections_per_principal=3) as srv, \
+    # the L2 read never returns: no reply can beat the call's deadline, however long this process is descheduled
+    # (a 0.5 s read did, when the test stalled between sending and starting its 0.2 s wait)
+    with server(tmp_path, faulty(tmp_path, HANG_SECONDS, ["get"]), max_connections_per_principal=3) as srv, \
             Client(srv.url, model="m", layout=LAYOUT, retry_after_seconds=0.05) as engine:
         for tokens, kv in prompts:
             only_in_l2(engine, tokens, kv)
         for tokens, _ in prompts:
-            with engine.retrieve_chunks(tokens, timeout_seconds=0.2) as got:  # the promotion takes 0.5 s
+            with engine.retrieve_chunks(tokens, timeout_seconds=0.2) as got:  # the promotion hangs
                 assert not got.ok or got.num_tokens == 0
             time.sleep(0.1)  # past retry_after_seconds: the next call reconnects
         wait_for(lambda: metric_value(srv.metrics_text(), "kvtier_connected_clients") <= 1, 10, "sessions to end")

@@ -97,13 +97,12 @@ def test_a_quarantined_slot_is_freed_when_its_process_is_gone(tmp_path):
 
 def test_bytes_changed_after_commit_are_never_written_to_l2_nor_served(tmp_path):
     slow_l2 = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "l2")},
-               "latency_seconds": 1.5, "ops": ["put"]}
+               "latency_seconds": 3.0, "ops": ["put"]}
     config = {"l2_adapters": [slow_l2]}
     first = list(range(CHUNK))
     late = list(range(7000, 7000 + CHUNK))
     with ServerProc(tmp_path, l1="64KB", config=config) as server, \
             Client(server.url, model="m", layout=LAYOUT) as honest:
-        assert honest.store(first, kv_for(first, 3)) == 1  # keeps the L2 writer busy for 1.5 s
         ctx = Context()
         sock = authenticated(ctx.socket(zmq.DEALER), server.url)
         sock.connect(server.url)
@@ -113,9 +112,12 @@ def test_bytes_changed_after_commit_are_never_written_to_l2_nor_served(tmp_path)
             return P.decode_reply(sock.recv())
 
         try:
+            # connected and attached first: only the store, its copy, its commit and the change below must come
+            # while the writer is busy (the late chunk then waits in the queue, and is read after the change)
             hello = ask(P.Hello(id=1, version=P.PROTOCOL_VERSION, model="m", layout=LAYOUT.to_dict(),
                                 layout_id=LAYOUT.layout_id, host_id=host_id(), pid=os.getpid()))
             arena = attach_arena(hello.shm_name, hello.shm_capacity_bytes)
+            assert honest.store(first, kv_for(first, 3)) == 1  # keeps the L2 writer busy for 3 s
             slots = ask(P.StoreBegin(id=2, tokens=P.pack_tokens(late)))
             slot = slots.slots[0]
             view = arena.view(slot.offset, slot.nbytes)

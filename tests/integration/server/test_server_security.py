@@ -110,9 +110,9 @@ def test_chosen_routing_ids_cannot_abort_an_authenticating_server(tmp_path):
         time.sleep(1.0)
         assert server.proc.poll() is None, server.log()
         serves_a_real_client(server, config, seed=1, secret_file=secret)
-        text = server.metrics_text()
-        assert metric_value(text, "kvtier_auth_refused_total", socket="requests") >= 19
-        assert metric_value(text, "kvtier_auth_refused_total", socket="replay") >= 19
+        for socket in ("requests", "replay"):  # the stranger's handshakes end on the server's own time
+            wait_for(lambda s=socket: (metric_value(server.metrics_text(), "kvtier_auth_refused_total", socket=s)
+                                       or 0) >= 19, what=f"19 refused handshakes on the {socket} socket")
     assert "Assertion failed" not in server.log()
 
 
@@ -151,7 +151,12 @@ def test_a_client_without_the_secret_gets_misses_and_says_what_to_do(tmp_path, m
             with Client(server.url, model="m", layout=LAYOUT, secret_file=secret_file, timeout_seconds=2.0) as client:
                 assert client.info is None
                 assert client.lookup(tokens) == 0 and client.store(tokens, kv_for(CHUNK, 3)) == 0
-                assert message in caplog.text, (secret_file, caplog.text)
+
+                def told() -> bool:  # a refused handshake is seen when it ends, on the server's time: each call
+                    assert client.lookup(tokens) == 0  # looks for it (and stays a miss)
+                    return message in caplog.text
+
+                wait_for(told, what=f"{message!r} in the log, for secret file {secret_file}")
         assert server.proc.poll() is None
         with Client(server.url, model="m", layout=LAYOUT, secret_file=secret) as client:
             assert client.store(tokens, kv_for(CHUNK, 3)) == 1
@@ -265,15 +270,16 @@ def test_tenants_reach_only_their_own_chunks(tmp_path):
 
 def test_flush_is_false_after_the_server_restarted(tmp_path):
     port = free_port()
-    slow = {"type": "faulty", "inner": {"type": "local_disk", "path": str(tmp_path / "disk")}, "latency_seconds": 2,
-            "ops": ["put"]}
-    server = ServerProc(tmp_path, port=port, config={"l2_adapters": [slow]})
+    disk = {"type": "local_disk", "path": str(tmp_path / "disk")}
+    # the first server's L2 write never ends (a 2 s one ended before the kill when this process was that slow)
+    hung = {"type": "faulty", "inner": disk, "latency_seconds": 3600, "ops": ["put"]}
+    server = ServerProc(tmp_path, port=port, config={"l2_adapters": [hung]})
     client = Client(server.url, model="m", layout=LAYOUT, retry_after_seconds=0.2)
     try:
         assert client.store(list(range(CHUNK)), kv_for(CHUNK, 8)) == 1  # acknowledged; L2 write still queued
         server.proc.kill()  # SIGKILL: the queued write is lost
         server.stop()
-        server = ServerProc(tmp_path, port=port, config={"l2_adapters": [slow]})
+        server = ServerProc(tmp_path, port=port, config={"l2_adapters": [disk]})
         assert wait_for(client.ping, what="the client to reconnect")
         assert client.flush(30.0) is False  # the write acknowledged before the restart is not durable
         assert client.flush(30.0) is True  # reported once

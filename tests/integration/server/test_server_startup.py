@@ -66,9 +66,11 @@ def test_ports_in_use_are_refused_and_leave_no_shared_memory():
 
 def test_sigint_finishes_queued_l2_writes_and_exits_0(tmp_path):
     disk = tmp_path / "disk"
-    # each L2 batch takes 200 ms more, so writes are still queued when SIGINT arrives
-    slow_disk = {"type": "faulty", "inner": {"type": "local_disk", "path": str(disk)}, "latency_seconds": 0.2, "ops": ["put"]}
-    server = ServerProc(tmp_path, config={"l2_adapters": [slow_disk], "l2_write_queue_size": 1024})
+    # each L2 batch takes 500 ms more, so writes are still queued when SIGINT arrives (4 s of them: at 200 ms each, a
+    # test slower than 1.6 s to store and ask found them all written); the shutdown may take all it needs
+    slow_disk = {"type": "faulty", "inner": {"type": "local_disk", "path": str(disk)}, "latency_seconds": 0.5, "ops": ["put"]}
+    server = ServerProc(tmp_path, config={"l2_adapters": [slow_disk], "l2_write_queue_size": 1024,
+                                          "server": {"shutdown_timeout_seconds": 120}})
     shm_name = server.status()["l1"]["shm_name"]
     assert os.path.exists(f"/dev/shm/{shm_name}")
     with Client(server.url, model="m", layout=LAYOUT) as client:

@@ -16,6 +16,7 @@ import threading
 
 import pytest
 from harness.vllm import ServerProcessForVLLM, document_tokens, free_port, model_dir, run_vllm
+from support.server import wait_for
 from test_vllm_support import assert_same_output, by_prompt
 
 from kvtier.events.subscriber import Subscriber
@@ -124,6 +125,11 @@ def test_in_process_cache_over_local_disk(work, prompts, baseline):
         assert_same_output(got, baseline["A"], f"A in-process {label}")
 
 
+def blocks(events: list, medium: str) -> set[int]:
+    """The block hashes of ``events``' ``BlockStored`` in ``medium``."""
+    return {h for e in list(events) if type(e).__name__ == "BlockStored" and e.medium == medium for h in e.block_hashes}
+
+
 def test_vllm_and_kvtier_events_in_one_stream(work, prompts):
     """vLLM's publisher carries its own GPU events and kvtier's CPU events (from take_events); with
     chunk_size == block_size and vLLM's hash algorithm, kvtier's block hashes are vLLM's."""
@@ -143,12 +149,13 @@ def test_vllm_and_kvtier_events_in_one_stream(work, prompts):
         cfg = {"kvtier.local_disk": str(work / "disk-events"), "kvtier.chunk_size": BLOCK,
                "kvtier.enable_kv_events": True}  # hash algorithm: vLLM's own (sha256)
         run_vllm(work, "events", [prompts["A"]], kvtier=cfg, prefix_caching=True, kv_events=endpoint, one_process=True)
+        # the last batches may still be on their way to the collector when vLLM has exited: wait for kvtier's
+        # (bounded) rather than stop at once
+        wait_for(lambda: len(blocks(events, "CPU")) >= 700 // BLOCK, 30, "kvtier's CPU events")
     finally:
         stop.set()
         thread.join(10)
-    stored = [e for e in events if type(e).__name__ == "BlockStored"]
-    gpu = {h for e in stored if e.medium == "GPU" for h in e.block_hashes}
-    cpu = {h for e in stored if e.medium == "CPU" for h in e.block_hashes}
+    gpu, cpu = blocks(events, "GPU"), blocks(events, "CPU")
     assert len(gpu) >= 5, f"vLLM's own events missing: {events[:5]}"
     assert len(cpu) == 700 // BLOCK, f"kvtier's CPU events missing: {events[:5]}"
     assert cpu <= gpu

@@ -4,9 +4,9 @@ kvtier when kvtier fails in the middle of a load, and no request waits past the 
 Each test stores a 700-token prompt through a healthy kvtier server, then restarts the server on the same ports
 over the same L2 folder wrapped in the fault-injecting adapter (``l2/faulty.py``), so the load must read L2:
 * every L2 read fails: the load delivers nothing, vLLM recomputes those blocks;
-* L2 reads are slow and the server is stopped (SIGSTOP) while the worker waits: the deadline
+* L2 reads are slow and the server is stopped (SIGSTOP) once the load's read has started: the deadline
   (``kvtier.load_timeout_seconds``) ends the wait;
-* L2 reads are slow and the server is killed (SIGKILL) while the worker waits.
+* L2 reads are slow and the server is killed (SIGKILL) once the load's read has started.
 The first answer of each prompt (computed before anything was stored) is the reference. Each test prints its
 request time next to that of the reference request (figures for benchmarks/RESULTS.md).
 """
@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 from support.server import wait_for
 from harness.metrics import metric_sum
@@ -34,13 +35,25 @@ class Kvtier:
     def __init__(self, work):
         self.work, self.disk = work, {"type": "local_disk", "path": str(work / "l2")}
         self.srv = ServerProcessForVLLM(work, chunk_size=256, l2=self.disk)
+        self.clients = 0  # the most connections of vLLM's clients seen on a server
+
+    def peers(self) -> int:
+        """TCP connections the server holds on its request port (vLLM's clients: one per vLLM process)."""
+        return sum(1 for c in psutil.Process(self.srv.proc.pid).net_connections("tcp")
+                   if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == self.srv.port)
 
     def restart(self, **faults) -> None:
         port, admin_port = self.srv.port, self.srv.admin_port
+        if self.srv.proc.poll() is None:
+            self.clients = max(self.clients, self.peers())
         self.srv.stop()
         l2 = {"type": "faulty", "inner": self.disk, "ops": ["get"], **faults} if faults else self.disk
         self.srv = ServerProcessForVLLM(self.work, chunk_size=256, l2=l2, port=port, admin_port=admin_port)
-        time.sleep(1.5)  # vLLM's clients reconnect within ZMQ's RECONNECT_IVL_MAX (1 s); until then they miss
+        # vLLM's clients reconnect on ZMQ's timer (RECONNECT_IVL_MAX 1 s), when their processes get the CPU; until
+        # then their calls miss. Wait for their connections, then for the CurveZMQ handshake each starts on its own
+        # (a ZAP reply delayed 50 ms)
+        wait_for(lambda: self.peers() >= self.clients, 60, f"vLLM's {self.clients} client(s) to reconnect")
+        time.sleep(1.0)
 
     def stored_in_l2(self, num_chunks: int) -> None:
         wait_for(lambda: metric_sum(self.srv.metrics_text(), "kvtier_l2_writes_total") >= num_chunks, 60,
@@ -58,6 +71,7 @@ def kvtier(tmp_path_factory):
 def vllm(kvtier, tmp_path_factory):
     srv = OpenAIServer(tmp_path_factory.mktemp("faults-vllm"), {
         "kvtier.server_url": kvtier.srv.url, "kvtier.timeout_seconds": 2, "kvtier.load_timeout_seconds": LOAD_TIMEOUT})
+    kvtier.clients = wait_for(kvtier.peers, 60, "vLLM's clients to connect")  # connected at start-up
     yield srv
     srv.stop()
 
@@ -77,12 +91,14 @@ def stored_reference(vllm, kvtier, prompt) -> tuple[dict, float]:
 
 
 def during_load(vllm, kvtier, prompt, sig) -> tuple[dict, float]:
-    """Send ``prompt`` while L2 reads take 3 s each; one second in (the worker waits on the load), send ``sig``."""
+    """Send ``prompt`` while L2 reads take 3 s each; once the load's read has started (the scheduler's prefetch,
+    which the worker's retrieve joins), send ``sig``."""
     kvtier.restart(latency_seconds=3)
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(zip(("reply", "seconds"), timed(vllm, prompt))))
     thread.start()
-    time.sleep(1.0)
+    # not a fixed pause: a signal before the scheduler's lookup (a loaded machine) made that lookup the miss
+    wait_for(lambda: sum(kvtier.srv.status()["promotions"].values()), 60, "the load's L2 read to start")
     os.kill(kvtier.srv.proc.pid, sig)
     thread.join(150)
     if sig == signal.SIGSTOP:
