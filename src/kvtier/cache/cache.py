@@ -17,6 +17,7 @@ import xxhash
 
 from kvtier.backend import Fill, Retrieved, TierHits
 from kvtier.cache.lookups import Lookups, refs_from
+from kvtier.cache.promotions import Promotions
 from kvtier.cache.prompt_keys import PromptKeys
 from kvtier.cache.tickets import ChunkRef, L1Slot, RetrieveTicket, StoreTicket
 from kvtier.cache.tiers import Tiers
@@ -67,6 +68,7 @@ class KVCache:
         self.keys = PromptKeys(config, model, chunk_layout_id(layout.layout_id, config.chunk_size), namespace,
                                self.tiers.memo, self.metrics, layout.layout_id)
         self.lookups = Lookups(self.keys, self.tiers, config.chunk_size)
+        self.promotions = Promotions(self.tiers, layout)
 
     # ---- keys and lookups ------------------------------------------------------------
     def chunk_refs(self, tokens, namespace: str | None = None, *, extra_keys=None,
@@ -227,19 +229,19 @@ class KVCache:
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         refs = refs_from(refs, start, self.chunk_size)
         n = self.l1_prefix(refs)
-        if n < len(refs) and self.l2.adapters:
-            n += self._promote(arr, refs, n)
+        n += self.promotions.promote(arr, refs, n)
         return refs[n - 1].end if n else 0
 
     def begin_retrieve(self, tokens, namespace: str | None = None, *, extra_keys=None,
                        promote: bool = True, start: int = 0) -> RetrieveTicket:
         """Pin the leading available chunks (from ``start``'s chunk on) in L1, promoting L2 hits into L1 first
-        (unless ``promote`` is False: then only what L1 holds now, with no L2 access)."""
+        (``Promotions.promote``; ``promote`` False: only what L1 holds now, with no L2 access, as on a server's
+        request thread)."""
         arr, refs = self.chunk_refs(tokens, namespace, extra_keys=extra_keys)
         refs = refs_from(refs, start, self.chunk_size)
         n = self.l1_prefix(refs)
-        if promote and n < len(refs) and self.l2.adapters:
-            n += self._promote(arr, refs, n)
+        if promote:
+            n += self.promotions.promote(arr, refs, n)
         ticket = RetrieveTicket()
         # acquire tail first so the head ends up most recently used: tails are evicted before heads
         for ref in reversed(refs[:n]):
@@ -254,31 +256,6 @@ class KVCache:
         ticket.slots.reverse()
         self.metrics.inc("kvtier_retrieve_chunks_total", len(ticket.slots))
         return ticket
-
-    def _promote(self, arr: np.ndarray, all_refs: list[ChunkRef], start: int) -> int:
-        """Copy the leading L2 hits among ``all_refs[start:]`` into L1; returns how many are now in L1."""
-        refs = all_refs[start:]
-        payloads = self.l2.read([r.key for r in refs], [arr[r.start:r.end].tolist() for r in refs])
-        count = promoted = 0
-        for ref, payload in zip(refs, payloads):
-            if payload.nbytes != self.layout.chunk_bytes(ref.end - ref.start):  # the header agreed, the size must too
-                break
-            view = self.l1.reserve(ref.key, payload.nbytes, ref.end - ref.start)
-            if view is None:
-                if not self.l1.contains(ref.key):  # no room (everything pinned): stop the prefix here
-                    break
-            elif payload.copy_into(view):
-                self.l1.commit(ref.key)
-                promoted += 1
-            else:  # the record did not decode (dropped and counted by the tier): the prefix stops here
-                self.l1.abort(ref.key)
-                break
-            count += 1
-        if promoted:
-            self.metrics.inc("kvtier_l2_promoted_chunks_total", promoted)
-            if self.tiers.events is not None:  # copies already in L1 are skipped there
-                self.tiers.events.stored(arr, refs[:count], "CPU")
-        return count
 
     def end_retrieve(self, ticket: RetrieveTicket) -> None:
         """Unpin the ticket's slots."""

@@ -48,8 +48,8 @@ class Tiers:
                                 config.l2_accept_signed_records)
         codecs = CodecPolicy([a.config.codec for a in adapters], config.lossy_codecs_allowed,
                              [a.label for a in adapters])
-        self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size,
-                         config.l2_promote_to_faster_l2, record_key, config.l2_record_auth, index_lookups, codecs)
+        self.l2 = L2Tier(adapters, self.metrics, self.events, config.l2_write_queue_size, record_key,
+                         config.l2_record_auth, index_lookups, codecs)
         self.l2.on_changed = self._on_changed_after_commit
         self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
 

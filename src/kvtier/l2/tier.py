@@ -51,12 +51,14 @@ class L2Payload:
 
     Attributes:
         nbytes: the chunk's bytes once decoded (``layout.chunk_bytes(num_tokens)``).
+        name, record, adapter_index: its L2 name, the whole record as read, the index of the adapter it came from.
     """
 
-    __slots__ = ("_tier", "_adapter", "_name", "_header", "_payload", "nbytes")
+    __slots__ = ("_tier", "_adapter", "name", "_header", "_payload", "record", "adapter_index", "nbytes")
 
-    def __init__(self, tier: L2Tier, adapter: L2Adapter, name: str, header, payload) -> None:
-        self._tier, self._adapter, self._name, self._header, self._payload = tier, adapter, name, header, payload
+    def __init__(self, tier: L2Tier, adapter: L2Adapter, name: str, header, payload, record, adapter_index: int):
+        self._tier, self._adapter, self.name, self._header, self._payload = tier, adapter, name, header, payload
+        self.record, self.adapter_index = record, adapter_index
         self.nbytes = header.raw_bytes
 
     def copy_into(self, view) -> bool:
@@ -72,7 +74,7 @@ class L2Payload:
         try:
             decode_payload(self._header, self._payload, out=target)
         except CorruptRecordError as exc:
-            self._tier.drop_corrupt(self._adapter, self._name, exc)
+            self._tier.drop_corrupt(self._adapter, self.name, exc)
             return False
         self._tier.metrics.inc("kvtier_codec_seconds_total", time.perf_counter() - started,
                                codec=self._header.encoding, op="decode")
@@ -87,7 +89,6 @@ class L2Tier:
         metrics: where errors, drops, writes and corrupt records are counted.
         events: an EventEmitter (``stored``/``removed`` with medium ``STORAGE``) or None.
         queue_chunks: most chunks waiting to be written; more are dropped and counted.
-        promote_to_faster: on a hit in adapter i, also write the record into adapters before i.
         record_key: the keys records are signed and checked with (``record.RecordKeys``, or the
             ``l2_record_key`` bytes alone), or None.
         record_auth: the MAC new records are signed with (``record.AUTH_ALGORITHMS``).
@@ -99,14 +100,13 @@ class L2Tier:
     """
 
     def __init__(self, adapters: Sequence[L2Adapter], metrics: Metrics, events=None,
-                 queue_chunks: int = 64, promote_to_faster: bool = False, record_key: bytes | None = None,
+                 queue_chunks: int = 64, record_key: bytes | None = None,
                  record_auth: str = "blake3", index_lookups: bool = False, codecs: CodecPolicy | None = None):
         self.adapters = list(adapters)
         self.codecs = codecs or CodecPolicy([getattr(a.config, "codec", "none") for a in self.adapters],
                                             labels=[a.label for a in self.adapters])
         self.metrics = metrics
         self.events = events
-        self.promote_to_faster = promote_to_faster
         self.record_key = record_key
         self.record_auth = record_auth
         if RecordKeys.of(record_key).any and record_auth == "blake3":
@@ -249,12 +249,16 @@ class L2Tier:
         except CorruptRecordError as exc:
             self.drop_corrupt(adapter, name, exc)
             return None
-        if self.promote_to_faster and index > 0:
-            parts = [memoryview(buf)]
-            for faster in self.adapters[:index]:
-                if self._call(faster, "put", faster.put, [(name, parts)], default=[False])[0]:
-                    self.index.note(faster, [name], True)
-        return L2Payload(self, adapter, name, header, payload)
+        return L2Payload(self, adapter, name, header, payload, buf, index)
+
+    def copy_to_faster(self, payloads: Sequence[L2Payload]) -> None:
+        """Write each record read from adapter i into adapters 0..i-1 too (``Promotions``, with
+        ``l2_promote_to_faster_l2``); a failed write is counted, never raised."""
+        for payload in payloads:
+            parts = [memoryview(payload.record)]
+            for faster in self.adapters[:payload.adapter_index]:
+                if self._call(faster, "put", faster.put, [(payload.name, parts)], default=[False])[0]:
+                    self.index.note(faster, [payload.name], True)
 
     def drop_corrupt(self, adapter: L2Adapter, name: str, exc: CorruptRecordError) -> None:
         """A record that fails verification or decoding (here, or in ``L2Payload.copy_into``): deleted from

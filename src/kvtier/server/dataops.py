@@ -218,8 +218,8 @@ class DataOps:
         return P.StoreDone(id=msg.id, num_stored=stored), []
 
     def _promote_later(self, identity, session, msg, after: Job | None = None) -> bool:
-        """Hand the promotion of the L2-only chunks of ``msg.tokens`` to the pool when an L2 index holds the
-        first chunk L1 lacks; it joins a promotion already reading that chunk (``JobPool.submit``). True: the
+        """Hand the promotion of the L2-only chunks of ``msg.tokens`` to the pool when the cache's promotion policy
+        wants them (``Promotions.wanted``); it joins a promotion already reading that chunk (``JobPool.submit``). True: the
         reply is deferred (``answer_promotions``). ``after``: the job this request followed, now finished
         (its start and deadline are kept: what that promotion did not bring is read now)."""
         cache = session.cache
@@ -228,7 +228,7 @@ class DataOps:
         _, refs = cache.chunk_refs(tokens, namespace, extra_keys=msg.extra_keys)
         refs = refs[start // cache.chunk_size:] if start > 0 else refs
         n = cache.l1_prefix(refs)
-        if n == len(refs) or not self.tiers.l2.lookup([refs[n].key]):
+        if not cache.promotions.wanted(refs, n):
             return False
         now = time.monotonic()
         started, deadline = (after.started, after.deadline) if after else \
