@@ -1,10 +1,15 @@
 """Units of configuration values: sizes (``parse_size``) and booleans (``parse_bool``), as files, ``KVTIER_*``
-variables and flags give them. ``GB`` is 10**9 bytes: every ``*_size_gb`` in kvtier is decimal."""
+variables and flags give them, and the pydantic types that read them (``SizeGB``, ``SizeBytes``, ``Bool``) with
+the base of every configuration section (``StrictModel``): what ``kvtier.config`` and the L2 adapters' own
+configs are made of. ``GB`` is 10**9 bytes: every ``*_size_gb`` in kvtier is decimal."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any, ClassVar
+
+import pydantic
+from pydantic import BeforeValidator, Field
 
 from kvtier.errors import ConfigError
 
@@ -55,3 +60,56 @@ def parse_bool(value: Any) -> bool:
     if text in ("false", "0", "no", "off", "n", ""):
         return False
     raise ConfigError(f"cannot read {value!r} as a boolean; use true/false, 1/0, yes/no or on/off")
+
+
+def _as_value_error(fn):
+    """Re-raise ConfigError as ValueError so pydantic attaches the key name to the message."""
+    def wrapped(value):
+        try:
+            return fn(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+    return wrapped
+
+
+SizeGB = Annotated[float, BeforeValidator(_as_value_error(parse_size)), Field(ge=0)]
+# a size in bytes: a bare number is bytes, a string may carry a unit ("64MiB", "5MB")
+SizeBytes = Annotated[int, BeforeValidator(_as_value_error(lambda v: int(parse_size(v, "B")))), Field(ge=0)]
+Bool = Annotated[bool, BeforeValidator(_as_value_error(parse_bool))]
+
+
+_UNIT_NOTES = {("_ms", "_seconds"): "the value is now in seconds: divide the milliseconds by 1000",
+               ("_mb", "_bytes"): "the value is now in bytes; a size such as '64MiB' also works"}
+
+
+class RenamedKeyError(ValueError):
+    """A configuration key given under a former name; the message names the new one."""
+
+
+class StrictModel(pydantic.BaseModel):
+    """A config section: unknown keys are refused, and so are former names (``renamed_fields``: old -> new,
+    merged with the base classes') with a message naming the new key: a dropped setting would go unseen."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    renamed_fields: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def renamed_keys(cls) -> dict[str, str]:
+        """Former key -> new key, this section's ``renamed_fields`` merged with its base classes'."""
+        renamed: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            renamed.update(vars(klass).get("renamed_fields", {}))
+        return renamed
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            msgs = []
+            for old, new in cls.renamed_keys().items():
+                if old in data:
+                    note = next((n for (a, b), n in _UNIT_NOTES.items() if old.endswith(a) and new.endswith(b)), "")
+                    msgs.append(f"key {old!r} was renamed to {new!r}" + (f" ({note})" if note else ""))
+            if msgs:
+                raise RenamedKeyError("; ".join(msgs))
+        return data

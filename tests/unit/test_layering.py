@@ -22,6 +22,8 @@ RULES = [
     (VOCABULARY, UPPER),
     (("kvtier.l1", "kvtier.l2"), ("kvtier.cache", "kvtier.server", "kvtier.client", "kvtier.connectors", "kvtier.events",
                                   "kvtier.demo", "kvtier.trace")),
+    # storage knows its own configs (kvtier.units has their value types), never the application's tree
+    (("kvtier.l1", "kvtier.l2", "kvtier.codecs"), ("kvtier.config",)),
     # a trace is replayed through L1 and L2 themselves; the server writes one (server/trace.py imports trace.format)
     (("kvtier.trace",), ("kvtier.cache", "kvtier.server", "kvtier.client", "kvtier.connectors", "kvtier.events",
                          "kvtier.demo")),

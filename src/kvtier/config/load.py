@@ -20,7 +20,8 @@ import pydantic
 import yaml
 
 from kvtier.config.lmcache import from_lmcache
-from kvtier.config.tree import KVTierConfig, RenamedKeyError, StrictModel
+from kvtier.config.tree import KVTierConfig
+from kvtier.units import RenamedKeyError, StrictModel
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)

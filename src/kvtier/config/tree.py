@@ -1,39 +1,21 @@
 """The configuration tree: ``KVTierConfig`` and its sections (pydantic models; unknown and renamed keys refused).
 
-Sizes go through ``kvtier.units.parse_size`` (``SizeGB``, ``SizeBytes``), booleans through ``parse_bool``
-(``Bool``); the L2 adapters' configs reuse those types and ``StrictModel``. Where values come from (file,
-environment, flags) is ``kvtier.config.load``.
+The value types (``SizeGB``, ``SizeBytes``, ``Bool``) and the section base (``StrictModel``) are ``kvtier.units``',
+which the L2 adapters' configs use too. Where values come from (file, environment, flags) is
+``kvtier.config.load``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BeforeValidator, Field
 
-from kvtier.errors import ConfigError
 from kvtier.hashing import ALGORITHMS, DEFAULT_ALGORITHM, DEFAULT_SEED
-from kvtier.units import GB, parse_bool, parse_size
+from kvtier.units import GB, Bool, SizeBytes, SizeGB, StrictModel
 
 EVICTION_POLICIES = ("LRU", "ARC", "S3FIFO")
-EVENT_ENCODINGS = ("vllm", "vllm-legacy", "sglang")
-
-
-def _as_value_error(fn):
-    """Re-raise ConfigError as ValueError so pydantic attaches the key name to the message."""
-    def wrapped(value):
-        try:
-            return fn(value)
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-    return wrapped
-
-
-SizeGB = Annotated[float, BeforeValidator(_as_value_error(parse_size)), Field(ge=0)]
-# a size in bytes: a bare number is bytes, a string may carry a unit ("64MiB", "5MB")
-SizeBytes = Annotated[int, BeforeValidator(_as_value_error(lambda v: int(parse_size(v, "B")))), Field(ge=0)]
-Bool = Annotated[bool, BeforeValidator(_as_value_error(parse_bool))]
 
 
 def _policy(value: Any) -> str:
@@ -47,43 +29,6 @@ def _algorithm(value: Any) -> str:
     if value not in ALGORITHMS:
         raise ValueError(f"unknown hash algorithm {value!r}; valid: {', '.join(ALGORITHMS)}")
     return value
-
-
-_UNIT_NOTES = {("_ms", "_seconds"): "the value is now in seconds: divide the milliseconds by 1000",
-               ("_mb", "_bytes"): "the value is now in bytes; a size such as '64MiB' also works"}
-
-
-class RenamedKeyError(ValueError):
-    """A configuration key given under a former name; the message names the new one."""
-
-
-class StrictModel(pydantic.BaseModel):
-    """A config section: unknown keys are refused, and so are former names (``renamed_fields``: old -> new,
-    merged with the base classes') with a message naming the new key: a dropped setting would go unseen."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
-    renamed_fields: ClassVar[dict[str, str]] = {}
-
-    @classmethod
-    def renamed_keys(cls) -> dict[str, str]:
-        """Former key -> new key, this section's ``renamed_fields`` merged with its base classes'."""
-        renamed: dict[str, str] = {}
-        for klass in reversed(cls.__mro__):
-            renamed.update(vars(klass).get("renamed_fields", {}))
-        return renamed
-
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _refuse_renamed(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            msgs = []
-            for old, new in cls.renamed_keys().items():
-                if old in data:
-                    note = next((n for (a, b), n in _UNIT_NOTES.items() if old.endswith(a) and new.endswith(b)), "")
-                    msgs.append(f"key {old!r} was renamed to {new!r}" + (f" ({note})" if note else ""))
-            if msgs:
-                raise RenamedKeyError("; ".join(msgs))
-        return data
 
 
 class _Section(StrictModel):

@@ -22,7 +22,7 @@ from azure.core.exceptions import (
 )
 from azure.storage.blob import BlobServiceClient, LinearRetry
 
-from kvtier.config import SizeBytes
+from kvtier.units import SizeBytes
 from kvtier.errors import ConfigError
 from kvtier.l2.remote import RemoteAdapter, RemoteConfig, join_parts
 

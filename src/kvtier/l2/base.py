@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pydantic
 
-from kvtier.config import StrictModel
+from kvtier.units import StrictModel
 from kvtier.errors import ConfigError
 
 Buffer = bytes | bytearray | memoryview

@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 from pydantic import Field
 
-from kvtier.config import Bool, SizeGB
+from kvtier.units import Bool, SizeGB
 from kvtier.errors import ConfigError, StorageError
 from kvtier.foreground import FOREGROUND, background_thread
 from kvtier.l2 import fileio

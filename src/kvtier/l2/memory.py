@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from kvtier.config import SizeGB
+from kvtier.units import SizeGB
 from kvtier.l1.retention import Retention
 from kvtier.l2.base import AdapterConfig, Buffer, L2Adapter, Usage
 from kvtier.l2.retention import victims

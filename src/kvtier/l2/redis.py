@@ -28,7 +28,7 @@ import xxhash
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvtier.config import SizeBytes
+from kvtier.units import SizeBytes
 from kvtier.errors import ConfigError, StorageError
 from kvtier.l2.base import Buffer
 from kvtier.l2.remote import RemoteAdapter, RemoteConfig, describe

@@ -17,7 +17,7 @@ import botocore.exceptions
 import pydantic
 from boto3.s3.transfer import TransferConfig
 
-from kvtier.config import SizeBytes
+from kvtier.units import SizeBytes
 from kvtier.errors import ConfigError
 from kvtier.l2.remote import RemoteAdapter, RemoteConfig, describe, join_parts
 
