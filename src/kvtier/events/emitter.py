@@ -20,10 +20,9 @@ remembered with it, so a removal (which names chunks only) reaches the stream it
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 
-from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvtier.extra_keys import event_extra_keys, lora_name_of
 from kvtier.hashing import event_id, sglang_event_id
 from kvtier.events.publisher import ALL_STREAMS
