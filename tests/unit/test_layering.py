@@ -11,7 +11,7 @@ from pathlib import Path
 import kvtier
 
 ROOT = Path(kvtier.__file__).resolve().parent  # the kvtier under test (a worktree's src, or the install)
-LEAVES = ("kvtier.errors", "kvtier.units", "kvtier.proc", "kvtier.zmq_context")  # import no kvtier module but kvtier.errors
+LEAVES = ("kvtier.errors", "kvtier.units", "kvtier.proc", "kvtier.zmq_context", "kvtier.medium")  # import no kvtier module but kvtier.errors
 VOCABULARY = ("kvtier.hashing", "kvtier.keys", "kvtier.extra_keys", "kvtier.identity", "kvtier.layout", "kvtier.record",
               "kvtier.tensors", "kvtier.metrics", "kvtier.protocol", "kvtier.shm", "kvtier.config", "kvtier.auth",
               "kvtier.backend", "kvtier.models", "kvtier.codecs", "kvtier.hints", "kvtier.pages")
@@ -153,3 +153,20 @@ def test_no_two_public_things_share_a_name():
                 where.setdefault(thing, []).append(_where(name, line))
     twice = [f"{thing}: {', '.join(places)}" for thing, places in sorted(where.items()) if len(places) > 1]
     assert twice == [], "public names defined in more than one module:\n" + "\n".join(twice)
+
+
+def test_mediums_are_named_by_the_enum():
+    """One ``Medium`` enum (``kvtier/medium.py``): no other module spells a medium as a string literal in code
+    (docstrings may quote the wire values)."""
+    mediums = {m.value for m in __import__("kvtier.medium", fromlist=["Medium"]).Medium}
+    found = []
+    for name, path in MODULES.items():
+        if name == "kvtier.medium":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        found += [_where(name, node.lineno) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in mediums and id(node) not in docstrings]
+    assert found == [], "medium string literals (use kvtier.medium.Medium):\n" + "\n".join(found)

@@ -29,6 +29,7 @@ from kvtier.keys import chunk_layout_id
 from kvtier.l2.tier import WriteItem
 from kvtier.layout import KVLayout
 from kvtier.tensors import as_numpy, chunk_view, copy_from, join_chunks
+from kvtier.medium import Medium
 
 
 class KVCache:
@@ -143,7 +144,7 @@ class KVCache:
             self.metrics.inc("kvtier_retention_refused_chunks_total", refused)
         for run in _runs(ticket.slots):
             if self.tiers.events is not None:
-                self.tiers.events.stored(ticket.tokens, [slot.ref for slot in run], "CPU")
+                self.tiers.events.stored(ticket.tokens, [slot.ref for slot in run], Medium.CPU)
             items, refs, offsets = [], [], {}
             for slot in run:
                 pinned = self.l1.acquire(slot.ref.key, count_access=False)  # keep the bytes until written

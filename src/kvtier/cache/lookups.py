@@ -27,6 +27,7 @@ from kvtier.backend import TierHits
 from kvtier.cache.prompt_keys import PromptKeys
 from kvtier.cache.tickets import ChunkRef
 from kvtier.errors import InputError
+from kvtier.medium import Medium
 
 
 @dataclass(slots=True)
@@ -100,9 +101,9 @@ class Lookups:
         base = refs[0].start if refs else 0
         l1_tokens, total = hits.num_l1_tokens, hits.num_tokens
         self.metrics.inc_many((("kvtier_lookup_requests_total", 1, ()), ("kvtier_lookup_tokens_total", num_tokens, ()),
-                               ("kvtier_lookup_hit_tokens_total", max(0, l1_tokens - base), ("CPU",)),
+                               ("kvtier_lookup_hit_tokens_total", max(0, l1_tokens - base), (Medium.CPU,)),
                                ("kvtier_lookup_hit_tokens_total", total - max(l1_tokens, base if total else 0),
-                                ("STORAGE",))))
+                                (Medium.STORAGE,))))
 
 
 def _chunk_of(start, chunk_size: int) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtier.cache.tickets import ChunkRef
+from kvtier.medium import Medium
 
 
 class Promotions:
@@ -70,5 +71,5 @@ class Promotions:
         if promoted:
             self.metrics.inc("kvtier_l2_promoted_chunks_total", promoted)
             if self.tiers.events is not None:  # copies already in L1 are skipped there
-                self.tiers.events.stored(tokens, refs[:count], "CPU")
+                self.tiers.events.stored(tokens, refs[:count], Medium.CPU)
         return count

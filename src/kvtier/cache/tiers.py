@@ -9,13 +9,14 @@ from __future__ import annotations
 from kvtier.cache.memo import LookupMemo
 from kvtier.codecs.policy import CodecPolicy
 from kvtier.config import KVTierConfig
-from kvtier.errors import InputError, KVTierError
+from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey
 from kvtier.l1.store import L1Store
 from kvtier.l2 import create_adapter
 from kvtier.l2.tier import L2Tier
 from kvtier.metrics import Metrics
 from kvtier.record import RecordKeys
+from kvtier.medium import Medium
 
 
 class Tiers:
@@ -54,14 +55,14 @@ class Tiers:
         self.metrics.set("kvtier_l1_capacity_bytes", self.l1.capacity_bytes)
 
     def _on_l1_evict(self, evicted) -> None:
-        self.metrics.inc("kvtier_evicted_chunks_total", len(evicted), medium="CPU")
+        self.metrics.inc("kvtier_evicted_chunks_total", len(evicted), medium=Medium.CPU)
         if self.events is not None:
-            self.events.removed([key.name() for key, _ in evicted], "CPU")
+            self.events.removed([key.name() for key, _ in evicted], Medium.CPU)
 
     def _on_changed_after_commit(self, key: ChunkKey) -> None:
         # its bytes are not what was committed: never serve them again (the L2 write was skipped)
         if self.l1.remove(key) and self.events is not None:
-            self.events.removed([key.name()], "CPU")
+            self.events.removed([key.name()], Medium.CPU)
 
     def delete(self, keys: list[ChunkKey], timeout_seconds: float = 30.0) -> dict[str, int]:
         """Remove ``keys`` from L1 and every L2 adapter (``L2Tier.delete``: after the writes already queued), with
@@ -70,8 +71,8 @@ class Tiers:
         thread). A promotion already reading one of them may put it back into L1 afterwards."""
         removed = [key for key in keys if self.l1.remove(key)]
         if removed and self.events is not None:
-            self.events.removed([key.name() for key in removed], "CPU")
-        out = {"CPU": len(removed), **self.l2.delete(keys, timeout_seconds)}
+            self.events.removed([key.name() for key in removed], Medium.CPU)
+        out = {Medium.CPU: len(removed), **self.l2.delete(keys, timeout_seconds)}
         self.refresh_gauges()
         return out
 
@@ -84,13 +85,12 @@ class Tiers:
         """Drop everything (``medium=None``: AllBlocksCleared), or only L1 (``"CPU"``) or only L2 (``"STORAGE"``).
         L1 is cleared at once; L2 after its queued writes: waited for (at most 30 s) with ``wait``, else queued
         (``L2Tier.clear_async``: lookups see no L2 chunk meanwhile)."""
-        if medium not in (None, "CPU", "STORAGE"):
-            raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
+        medium = Medium.of_kvtier(medium)
         if self.events is not None:
             self.events.cleared(medium)
-        if medium in (None, "CPU"):
+        if medium in (None, Medium.CPU):
             self.l1.clear()
-        if medium in (None, "STORAGE"):
+        if medium in (None, Medium.STORAGE):
             if wait:
                 self.l2.clear()
             else:

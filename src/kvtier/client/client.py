@@ -29,6 +29,7 @@ from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
 from kvtier.pages import PageChain
 from kvtier.tensors import as_numpy, chunk_view, copy_from, empty_kv, join_chunks
+from kvtier.medium import Medium
 
 FLUSH_REPLY_GRACE_SECONDS = 5.0  # a Flush reply may arrive this long after the server's own deadline
 
@@ -248,8 +249,7 @@ class Client:
         (L2). ``admin_token``: the server's admin token (default ``$KVTIER_ADMIN_TOKEN``). Returns the L1 chunks
         dropped (0 if unavailable). Raises InputError for another medium, ProtocolError when the server refuses
         (wrong or missing admin token; with none configured, unless the server allows unauthenticated admin)."""
-        if medium not in (None, "CPU", "STORAGE"):
-            raise InputError(f"medium must be None, 'CPU' or 'STORAGE', got {medium!r}")
+        medium = Medium.of_kvtier(medium)
         token = admin_token if admin_token is not None else os.environ.get("KVTIER_ADMIN_TOKEN")
         with self.transport.lock:
             reply, _ = self.transport.call(P.Clear(id=self.transport.new_id(), medium=medium, admin_token=token))

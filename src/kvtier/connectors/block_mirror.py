@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.events.model import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvtier.medium import Medium
 
-SERVER_MEDIUMS = ("CPU", "STORAGE")  # the mediums a kvtier server holds blocks in (L1, L2)
+SERVER_MEDIUMS = (Medium.CPU, Medium.STORAGE)  # what a kvtier server holds blocks in (L1, L2)
 
 
 @dataclass

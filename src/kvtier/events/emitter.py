@@ -29,9 +29,6 @@ from kvtier.events.publisher import ALL_STREAMS
 from kvtier.keys import namespace_tenant, parse_name
 from kvtier.pages import UNKNOWN_TOKEN
 
-MEDIUMS = ("GPU", "CPU", "STORAGE")
-
-
 class EventEmitter:
     """The interface the cache calls when chunks appear in or leave a tier.
 

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from kvtier.errors import ProtocolError
+from kvtier.medium import Medium
 
 ENCODINGS = ("vllm", "vllm-legacy", "sglang")
 _U64 = (1 << 64) - 1
@@ -197,7 +198,7 @@ def _event(obj, raw: bool) -> Event | None:
                 block_hashes=_hashes(fields["block_hashes"], raw),
                 parent_block_hash=_norm_hash(fields.get("parent_block_hash"), raw),
                 token_ids=fields.get("token_ids") or [], block_size=fields.get("block_size") or 0,
-                lora_id=fields.get("lora_id"), medium=fields.get("medium") or "GPU",
+                lora_id=fields.get("lora_id"), medium=fields.get("medium") or Medium.GPU,
                 lora_name=fields.get("lora_name"),
                 **{k: v for k, v in kw.items() if k not in _STORED_ORDER})
         except (KeyError, TypeError) as exc:
@@ -206,7 +207,7 @@ def _event(obj, raw: bool) -> Event | None:
         if "block_hashes" not in fields:
             raise DecodeError("BlockRemoved event has no block_hashes")
         extra = {k: v for k, v in fields.items() if k in _REMOVED_MAP_KEYS and k not in ("block_hashes", "medium")}
-        return BlockRemoved(_hashes(fields["block_hashes"], raw), fields.get("medium") or "GPU", **extra)
+        return BlockRemoved(_hashes(fields["block_hashes"], raw), fields.get("medium") or Medium.GPU, **extra)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None
@@ -221,7 +222,7 @@ def _fix_typed(batch: EventBatch, raw: bool) -> EventBatch:
         if isinstance(ev, AllBlocksCleared):
             continue
         if ev.medium is None:
-            ev.medium = "GPU"
+            ev.medium = Medium.GPU
         if raw:
             continue
         if not all(type(h) is int and h >= 0 for h in ev.block_hashes):

@@ -37,6 +37,7 @@ from kvtier.l2.index import L2Index
 from kvtier.l2.writer import ClearJob, L2Writer, WriteItem  # WriteItem: callers import it from here (cache.cache)
 from kvtier.metrics import Metrics
 from kvtier.record import RecordKeys, decode_payload, decode_record
+from kvtier.medium import Medium
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +299,7 @@ class L2Tier:
     # ---- removal and status ------------------------------------------------------------
     def _on_adapter_evict(self, adapter: L2Adapter, names: list[str]) -> None:
         self.index.note(adapter, names, False)
-        self.metrics.inc("kvtier_evicted_chunks_total", len(names), medium="STORAGE")
+        self.metrics.inc("kvtier_evicted_chunks_total", len(names), medium=Medium.STORAGE)
         self._removed_if_gone(names)
 
     def _removed_if_gone(self, names: list[str]) -> None:
@@ -311,7 +312,7 @@ class L2Tier:
             still = [a or bool(b) for a, b in zip(still, found)]
         gone = [n for n, s in zip(names, still) if not s]
         if gone:
-            self.events.removed(gone, "STORAGE")
+            self.events.removed(gone, Medium.STORAGE)
 
     def delete(self, keys: Sequence[ChunkKey], timeout_seconds: float = 30.0) -> dict[str, int]:
         """Delete ``keys`` from every adapter after the writes queued before the call (waited for at most
@@ -352,7 +353,7 @@ class L2Tier:
             job.deleted += len(self._call(adapter, "clear", adapter.clear, default=[]) or [])
             self.index.forget(adapter)
         if self.events is not None:  # what was announced since the clear was asked for (a race) goes now
-            self.events.cleared("STORAGE")
+            self.events.cleared(Medium.STORAGE)
 
     def status(self) -> list[dict]:
         """Per adapter: label, type, health, reason, usage (no secrets), and its codec with the bytes written

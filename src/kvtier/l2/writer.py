@@ -38,6 +38,7 @@ from kvtier.l2.index import L2Index
 from kvtier.layout import KVLayout
 from kvtier.metrics import Metrics
 from kvtier.record import RecordKeys, decode_header, encode_record, record_size
+from kvtier.medium import Medium
 
 # the tier's logger: these messages are the tier's, under the name operators already filter on
 log = logging.getLogger("kvtier.l2.tier")
@@ -291,7 +292,7 @@ class L2Writer:
             while run < len(stored) and stored[run]:
                 run += 1
             if run:
-                self.events.stored(batch.tokens, batch.event_refs[:run], "STORAGE")
+                self.events.stored(batch.tokens, batch.event_refs[:run], Medium.STORAGE)
 
     def _count_bytes(self, adapter: L2Adapter, codec, records: list[list]) -> None:
         """Encoded and raw bytes written, per adapter and codec, and their ratio over the process lifetime."""

@@ -34,6 +34,7 @@ from kvtier.l1.arena import VirtualArena
 from kvtier.l1.store import L1Store
 from kvtier.l2.disk_index import DiskIndex
 from kvtier.trace.format import TraceHeader, TraceRecord, read_trace
+from kvtier.medium import Medium
 
 _SCOPE = "0" * 16  # DiskIndex names are ChunkKey.name() form: <scope>-<hex>; a digest already covers the scope
 
@@ -247,9 +248,9 @@ class Replay:
 
     def _clear(self, record: TraceRecord) -> None:
         """``Tiers.clear``: L1's committed chunks (reservations stay), L2's index, or both."""
-        if record.medium in (None, "CPU"):
+        if record.medium in (None, Medium.CPU):
             self.l1.clear()
-        if record.medium in (None, "STORAGE") and self.l2 is not None:
+        if record.medium in (None, Medium.STORAGE) and self.l2 is not None:
             for name in self.l2.names():
                 self.l2.forget(name)
 
