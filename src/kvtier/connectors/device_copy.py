@@ -5,13 +5,15 @@ a canonical view, ``vllm_cuda_layouts.canonical_view``), then one copy to host m
 copy from host memory, one ``index_copy_``). Every CUDA-only line of kvtier is in this module:
 
 * Copies run on a side stream that first waits for the compute stream (the KV the forward pass wrote, the blocks it
-  freed); the compute stream then waits, on the device, for an event recorded after a load's scatter, so attention
-  reads a loaded block only once it is there. The host never waits for the compute stream.
+  freed). A load records an event after its scatter; ``wait_loaded`` makes the compute stream wait for it on the
+  device (the connector calls it when the forward pass reaches its first attention layer), so a loaded block is read
+  only once it is there and the work before that overlaps the copy. The host never waits for the compute stream.
 * Host memory: the shared-memory L1 registered with ``cudaHostRegister`` (``register_host``), so the DMA engine
   reads and writes the L1 slot itself; memory that is not registered (refused, or another buffer) goes through a
   pinned staging buffer from torch's caching host allocator. A load from registered memory waits, on the host, for
-  its copy to finish before it returns (the slot is unpinned right after); from a pinned buffer it does not wait.
-  A store waits for its copy: the L1 slot must be complete before the store commits.
+  its host-to-device copy (not the scatter) before it returns, unless the caller keeps the memory pinned and waits
+  on the returned event itself (``wait_host=False``); from a pinned staging buffer it never waits. A store waits for
+  its copy: the L1 slot must be complete before the store commits.
 * Block ids go to the device in a pinned buffer (``non_blocking``): no ``.tolist()``, ``.numpy()``, ``.item()`` or
   pageable copy of a device tensor anywhere on these paths.
 
@@ -29,6 +31,11 @@ from kvtier.errors import KVTierError
 logger = logging.getLogger("vllm.kvtier_connector")
 
 
+# the mappings registered with cudaHostRegister in this process, once each whichever copier did it:
+# id(mapping) -> (first byte, end)
+_REGISTERED: dict[int, tuple[int, int]] = {}
+
+
 class DeviceCopier:
     """Copies between paged KV on ``device`` and host memory.
 
@@ -42,19 +49,25 @@ class DeviceCopier:
         self.cuda = self.device.type == "cuda"
         self.host_memory = host_memory
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._registered: dict[int, tuple[int, int]] = {}  # id(mapping) -> (address, end)
+        self._loaded: list = []  # CUDA events of scatters the compute stream has not waited for yet
         self._refused = False  # cudaHostRegister refused once: pinned staging from then on
         if self.cuda:
             self.register_host()
 
     # ---- host memory ------------------------------------------------------------------------------------
+    @property
+    def registered(self) -> bool:
+        """Whether the current shared-memory L1 is registered with CUDA (copies go straight to and from it)."""
+        mapping = self.host_memory() if (self.cuda and self.host_memory) else None
+        return mapping is not None and id(mapping) in _REGISTERED
+
     def register_host(self) -> bool:
         """Register the current shared-memory L1 (``host_memory()``) with CUDA if it is new; True when it is
-        registered now. Refusal (not allowed here, e.g. a sandbox) is logged once; copies then stage."""
+        registered now. A refusal (not allowed here, e.g. a sandbox) is logged once; copies then stage."""
         mapping = self.host_memory() if (self.cuda and self.host_memory) else None
         if mapping is None or self._refused:
             return False
-        if id(mapping) in self._registered:
+        if id(mapping) in _REGISTERED:
             return True
         address, nbytes = mapping.address, mapping.capacity_bytes
         err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
@@ -63,20 +76,14 @@ class DeviceCopier:
             logger.warning("kvtier: cudaHostRegister of the shared L1 (%d bytes) was refused (CUDA error %d); KV "
                            "copies go through a pinned staging buffer", nbytes, int(err))
             return False
-        self._registered[id(mapping)] = (address, address + nbytes)
-        mapping.close_hooks.append(self._unregister)
+        _REGISTERED[id(mapping)] = (address, address + nbytes)
+        mapping.close_hooks.append(_unregister)
         return True
 
-    def _unregister(self, mapping) -> None:
-        span = self._registered.pop(id(mapping), None)
-        if span is not None:
-            torch.cuda.synchronize(self.device)  # no copy may still read or write the range
-            torch.cuda.cudart().cudaHostUnregister(span[0])
-
-    def _is_registered(self, t: torch.Tensor) -> bool:
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
-        return any(lo <= start and end <= hi for lo, hi in self._registered.values())
+    def synchronize(self) -> None:
+        """Wait, on the host, until every copy issued so far is done (CUDA; nothing to wait for on CPU)."""
+        if self.cuda:
+            self.stream.synchronize()
 
     # ---- the two copies ---------------------------------------------------------------------------------
     def gather(self, view: torch.Tensor, dim: int, block_ids, out: torch.Tensor) -> None:
@@ -96,7 +103,7 @@ class DeviceCopier:
             staged = torch.empty(_blocks_shape(view, dim, nb), dtype=view.dtype, device=self.device)
             torch.index_select(view, dim, self._ids(block_ids[:nb]), out=staged)
             tokens = staged.flatten(dim, dim + 2)[..., :out.shape[-3], :, :]
-            host = out if self._is_registered(out) else torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host = out if _is_registered(out) else torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -104,21 +111,21 @@ class DeviceCopier:
         if host is not out:
             out.copy_(host)
 
-    def scatter(self, view: torch.Tensor, dim: int, block_ids, src: torch.Tensor):
+    def scatter(self, view: torch.Tensor, dim: int, block_ids, src: torch.Tensor, wait_host: bool = True):
         """Write ``src`` (host, ``(..., n, H, D)``, raw dtype, n a whole number of blocks) into ``block_ids`` of
-        ``view``. Mutates ``view``. Returns the CUDA event after which the blocks may be read (the compute stream
-        already waits for it), or None on CPU."""
-        per_block = view.shape[dim + 1] * view.shape[dim + 2]
-        nb = src.shape[-3] // per_block
-        ids = self._ids(block_ids[:nb])
+        ``view``. Mutates ``view`` (on CUDA once the side stream gets there: ``wait_loaded`` orders the compute stream
+        after it). Returns the CUDA event after which ``src`` has been read (None on CPU); with ``wait_host`` (the
+        default) it has been read already when this returns."""
+        nb = src.shape[-3] // (view.shape[dim + 1] * view.shape[dim + 2])
         if not self.cuda:
-            view.index_copy_(dim, ids, src.unflatten(-3, (nb, view.shape[dim + 1], view.shape[dim + 2])))
+            view.index_copy_(dim, self._ids(block_ids[:nb]), src.unflatten(-3, (nb, view.shape[dim + 1], view.shape[dim + 2])))
             return None
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(compute)
             self.register_host()
-            registered = self._is_registered(src)
+            ids = self._ids(block_ids[:nb])
+            registered = src.is_contiguous() and _is_registered(src)
             host = src if registered else torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
             staged = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             staged.copy_(host, non_blocking=True)
@@ -127,10 +134,18 @@ class DeviceCopier:
             view.index_copy_(dim, ids, staged.unflatten(-3, (nb, view.shape[dim + 1], view.shape[dim + 2])))
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        compute.wait_event(ready)
-        if registered:  # the L1 slot is unpinned once this returns: the DMA must have read it
+        self._loaded.append(ready)
+        if registered and wait_host:  # the caller unpins ``src`` next: the DMA must have read it
             copied.synchronize()
-        return ready
+        return copied
+
+    def wait_loaded(self) -> None:
+        """Make the compute stream wait, on the device, for every scatter so far (no host wait). Call it before
+        the KV they wrote is read."""
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        for event in self._loaded:
+            compute.wait_event(event)
+        self._loaded.clear()
 
     def _ids(self, block_ids) -> torch.Tensor:
         """``block_ids`` (host ints) as an int64 index tensor on the device (through pinned memory)."""
@@ -153,3 +168,17 @@ def _select(view: torch.Tensor, dim: int, ids: torch.Tensor, out: torch.Tensor) 
         torch.index_select(view, dim, ids, out=out.unflatten(-3, (ids.numel(), view.shape[dim + 1], view.shape[dim + 2])))
     else:  # a partial last block (a stored partial chunk): select whole blocks, keep the first n tokens
         out.copy_(torch.index_select(view, dim, ids).flatten(dim, dim + 2)[..., :n, :, :])
+
+
+def _unregister(mapping) -> None:
+    """A registered mapping is about to be unmapped: no copy may still use it, then it leaves CUDA."""
+    span = _REGISTERED.pop(id(mapping), None)
+    if span is not None:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(span[0])
+
+
+def _is_registered(t: torch.Tensor) -> bool:
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    return any(lo <= start and end <= hi for lo, hi in _REGISTERED.values())

@@ -217,20 +217,26 @@ class PagedKV:
         for layer, view in enumerate(self.views):
             self.copier.gather(view, 1, block_ids, raw[layer])
 
-    def scatter_chunk(self, block_ids, chunk: torch.Tensor, first: int, last: int) -> None:
+    def scatter_chunk(self, block_ids, chunk: torch.Tensor, first: int, last: int, wait_host: bool = True) -> None:
         """Write tokens ``[first, last)`` (block-aligned offsets) of ``chunk`` (host, ``layout.chunk_shape(n)``) into
-        ``block_ids``. Mutates the KV cache; on CUDA the compute stream waits for it. Raises InputError on an
-        unaligned range or too few blocks."""
+        ``block_ids``. Mutates the KV cache (on CUDA: read it after ``wait_loaded``). ``wait_host=False``: return
+        before a DMA from registered memory has read ``chunk``; keep it (and its pin) until ``copier.synchronize``.
+        Raises InputError on an unaligned range or too few blocks."""
         bs = self.block_size
         if first % bs or last % bs or not 0 <= first <= last <= chunk.shape[2] or (last - first) // bs > len(block_ids):
             raise InputError(f"tokens [{first}, {last}) of a {chunk.shape[2]}-token chunk are not whole {bs}-token "
                              f"blocks among the {len(block_ids)} given")
         src = chunk.view(self.raw)[:, :, first:last]
         if self.stacked is not None:
-            self.copier.scatter(self.stacked, 2, block_ids, src)
+            self.copier.scatter(self.stacked, 2, block_ids, src, wait_host)
             return
         for layer, view in enumerate(self.views):
-            self.copier.scatter(view, 1, block_ids, src[layer])
+            self.copier.scatter(view, 1, block_ids, src[layer], wait_host)
+
+    def wait_loaded(self) -> None:
+        """On CUDA, make the compute stream wait (on the device) for the scatters so far; call it before the loaded
+        KV is read (``DeviceCopier.wait_loaded``)."""
+        self.copier.wait_loaded()
 
     def gather_layer(self, layer: int, block_ids, out: torch.Tensor) -> None:
         """Layer ``layer``'s KV of ``out.shape[1]`` tokens held in ``block_ids`` into ``out`` (host,

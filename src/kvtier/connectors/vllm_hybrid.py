@@ -265,6 +265,8 @@ class HybridWorker:
                 logger.warning("kvtier: request %s: the load from kvtier failed (%s); vLLM recomputes the request",
                                op.req_id, f"past the {self.load_timeout_seconds:g} s deadline" if late else
                                "not available")
+        for blocks in self._group_blocks.values():  # read in a later step: the compute stream waits for them now
+            blocks.wait_loaded()
 
     def _load(self, op: HybridLoad, deadline: float) -> bool:
         """Copy every part's span of ``op`` into vLLM's blocks; True when all of it loaded."""

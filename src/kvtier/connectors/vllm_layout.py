@@ -209,7 +209,7 @@ def block_views(kv_caches, order: BlockOrder | None = None) -> "CPUBlocks":
 
 class CPUBlocks:
     """Every layer's blocks of vLLM CPU's paged KV (``LayerBlocks``), read and written per chunk or per layer in
-    kvtier's canonical order. The connector's copies go through these four methods, which
+    kvtier's canonical order. The connector's copies go through these methods, which
     ``vllm_cuda_layouts.PagedKV`` has too; ``block_ids`` are vLLM's block ids (host ints), in token order."""
 
     def __init__(self, layers: list[LayerBlocks]):
@@ -232,6 +232,9 @@ class CPUBlocks:
         _check_blocks(self.block_size, block_ids, out.shape[2])
         for layer, src in enumerate(self.layers):
             _gather(src, block_ids, out[layer])
+
+    def wait_loaded(self) -> None:
+        """Nothing to wait for: the copies are done when the methods return (``PagedKV`` waits on CUDA)."""
 
     def gather_layer(self, layer: int, block_ids, out: torch.Tensor) -> None:
         """Layer ``layer``'s KV of ``out.shape[1]`` tokens held in ``block_ids`` into ``out``

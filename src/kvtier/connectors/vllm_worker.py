@@ -116,6 +116,8 @@ class WorkerSide:
         return ok_end
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._blocks is not None:  # CUDA: the compute stream waits (on the device) for this step's loads
+            self._blocks.wait_loaded()
         i = self._layer_index.get(layer_name)
         if i is None:
             return
@@ -142,6 +144,8 @@ class WorkerSide:
     def wait_for_save(self, meta) -> None:
         """Store this step's ``meta.saves`` (vLLM's connector metadata for the step, or None)."""
         self._layer_loads = []
+        if self._blocks is not None:
+            self._blocks.wait_loaded()  # a step whose forward read no layer (its loads were not waited for yet)
         staged, self._layer_saves = self._layer_saves, []
         if isinstance(meta, KVTierConnectorMetadata) and meta.hybrid_saves:
             self.hybrid.save_all(meta.hybrid_saves)

@@ -51,7 +51,8 @@ def main() -> None:
     except ImportError:  # before 0.34
         out["kv_cache_access"] = None
     else:
-        out["kv_cache_access"] = KVTierConnector.kv_cache_access(None).name
+        access = KVTierConnector.kv_cache_access(None)
+        out["kv_cache_access"] = access.name if isinstance(access, KVCacheAccess) else repr(access)
     print("ORACLE " + json.dumps(out), flush=True)
 
 
