@@ -116,13 +116,11 @@ class WorkerSide:
         return ok_end
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        i = self._layer_index.get(layer_name)
+        for staged, op, ok_end in self._layer_loads if i is not None else ():
+            self._blocks.scatter_layer(i, op.block_ids, staged[i])
         if self._blocks is not None:  # CUDA: the compute stream waits (on the device) for this step's loads
             self._blocks.wait_loaded()
-        i = self._layer_index.get(layer_name)
-        if i is None:
-            return
-        for staged, op, ok_end in self._layer_loads:
-            self._blocks.scatter_layer(i, op.block_ids, staged[i])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
