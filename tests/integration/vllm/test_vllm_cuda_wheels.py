@@ -73,7 +73,17 @@ def test_kv_cache_layouts_are_vllms(version):
 @pytest.mark.parametrize("version", wheels.VERSIONS)
 def test_every_backend_layout_dtype_and_block_split_round_trips_through_vllms_own_views(version):
     expressions = {name: KV_SPLIT if b.packing == "kv" else "kv_cache.squeeze(1)" for name, b in ATTENTION_BACKENDS.items()}
-    rows = run_oracle("vllm_cuda_layouts_oracle.py", version, json.dumps(expressions))
+    registry = wheels.registry(version)
+    got = run_oracle("vllm_cuda_layouts_oracle.py", version, json.dumps(expressions),
+                     json.dumps({name: registry[name] for name in ATTENTION_BACKENDS}))
+    rows, classes = got["rows"], got["classes"]
+    # the classes that import on CPU say what their source says (the others are read from their source only)
+    live = {name: c for name, c in classes.items() if "error" not in c}
+    assert {"FLASH_ATTN", "TRITON_ATTN", "FLASHMLA", "TRITON_MLA"} <= set(live), classes
+    for name, c in live.items():
+        backend = ATTENTION_BACKENDS[name]
+        assert c["name"] == name and c["mla"] == (backend.packing == "latent"), (name, c)
+        assert list(backend.kv_cache_dtypes) == [d for d in c["kv_cache_dtypes"] if d in CACHE_DTYPES], (name, c)
     ran = [r for r in rows if "vllm_refused" not in r]
     # vLLM splits a block into kernel blocks only in layouts that keep a block's pages dense: nothing else to copy
     assert all(r["block_size"] != r["kernel"] for r in rows if "vllm_refused" in r)

@@ -1,13 +1,16 @@
 """Run with the vLLM environment's python and ``PYTHONPATH=<.cache/vllm-wheels/VERSION>:<kvtier src>``
 (``test_vllm_cuda_wheels.py`` does): the CUDA wheel's own ``vllm.v1.kv_cache_interface`` (it imports on CPU) allocates
 each attention backend's KV cache in each ``KVCacheLayout`` for fp16, bf16 and fp8 and two block splits, and the
-backend's own expression (``argv[2]``, JSON ``{backend: expression}`` read from its source by the test) reads keys and
-values out of it. kvtier must allocate the same tensors (``allocate_paged``), gather exactly what vLLM reads, and
-scatter exactly where vLLM reads, leaving every other block alone. Prints one line ``ORACLE <json>``: a row per case.
+backend's own expression (``argv[1]``, JSON ``{backend: expression}`` read from its source by the test) reads keys
+and values out of it; each backend class (``argv[2]``: ``{backend: class path}``) is imported where it imports on
+CPU. kvtier must allocate the same tensors (``allocate_paged``), gather exactly what vLLM reads, and scatter exactly
+where vLLM reads, leaving every other block alone. Prints one line ``ORACLE <json>``: a row per case, and the
+classes.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import types
@@ -98,8 +101,19 @@ def case(name: str, expression: str, layout: KVCacheLayout, dtype: str, block_si
             "stacked": written.stacked is not None, "nonzero": bool(want.view(torch.uint8).any())}
 
 
+def imported(class_path: str) -> dict:
+    """What the backend class itself says, where it imports on this CPU machine (else why not)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return {"name": cls.get_name(), "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes), "mla": cls.is_mla()}
+    except Exception as exc:  # a CUDA-only dependency (flashinfer, a CUDA torch): the test reads its source
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
 def main() -> None:
-    expressions = json.loads(sys.argv[1])
+    expressions, class_paths = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    classes = {name: imported(path) for name, path in class_paths.items()}
     rows = []
     for name, expression in expressions.items():
         backend = ATTENTION_BACKENDS[name]
@@ -109,7 +123,7 @@ def main() -> None:
             for dtype in dtypes:
                 for block_size in (kernel, 2 * kernel):
                     rows.append(case(name, expression, layout, dtype, block_size, kernel))
-    print("ORACLE " + json.dumps(rows), flush=True)
+    print("ORACLE " + json.dumps({"rows": rows, "classes": classes}), flush=True)
 
 
 if __name__ == "__main__":
