@@ -22,7 +22,7 @@ of blocks times ``ratio``, ``N`` the kernel block size). Other packings (nvfp4, 
 have another ``C`` or ``H`` and are refused, naming the backend.
 
 ``ATTENTION_BACKENDS`` and ``KV_CACHE_LAYOUTS`` are read from the wheels' source by ``tests/unit/
-test_vllm_cuda_layouts.py``, which also checks ``allocate_paged`` against vLLM's own ``create_kv_cache_views``.
+test_cuda_layouts.py``, which also checks ``allocate_paged`` against vLLM's own ``create_kv_cache_views``.
 """
 
 from __future__ import annotations

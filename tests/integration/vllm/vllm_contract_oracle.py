@@ -1,5 +1,5 @@
 """Run with the vLLM environment's python and ``PYTHONPATH=<.cache/vllm-wheels/VERSION>:<kvtier src>``
-(``test_vllm_cuda_wheels.py`` does): imports that wheel's real ``KVConnectorBase_V1``, ``SupportsHMA`` and
+(``test_cuda_wheels.py`` does): imports that wheel's real ``KVConnectorBase_V1``, ``SupportsHMA`` and
 ``KVConnectorKVEvents`` (they import on CPU) and kvtier's connector on top of them, and reports every abstract method
 left, every method whose signature differs from the base's, and what the 0.34 contract methods answer. Prints one
 line ``ORACLE <json>``."""

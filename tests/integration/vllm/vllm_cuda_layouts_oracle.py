@@ -1,5 +1,5 @@
 """Run with the vLLM environment's python and ``PYTHONPATH=<.cache/vllm-wheels/VERSION>:<kvtier src>``
-(``test_vllm_cuda_wheels.py`` does): the CUDA wheel's own ``vllm.v1.kv_cache_interface`` (it imports on CPU) allocates
+(``test_cuda_wheels.py`` does): the CUDA wheel's own ``vllm.v1.kv_cache_interface`` (it imports on CPU) allocates
 each attention backend's KV cache in each ``KVCacheLayout`` for fp16, bf16 and fp8 and two block splits, and the
 backend's own expression (``argv[1]``, JSON ``{backend: expression}`` read from its source by the test) reads keys
 and values out of it; each backend class (``argv[2]``: ``{backend: class path}``) is imported where it imports on

@@ -2,7 +2,7 @@
 ``KVCacheLayout``, fp16 / bf16 / fp8, whole and split kernel blocks, gathered to and scattered from kvtier's canonical
 chunk through the device copy path (``connectors.device_copy``, its CPU branch). A chunk stored from one backend and
 layout loads into any other of the same packing, and into transformers. ``tests/integration/vllm/
-test_vllm_cuda_wheels.py`` checks the same copies against vLLM 0.33 / 0.34's own allocation and reads."""
+test_cuda_wheels.py`` checks the same copies against vLLM 0.33 / 0.34's own allocation and reads."""
 
 from __future__ import annotations
 
@@ -98,9 +98,9 @@ def test_a_chunk_stored_from_one_backend_and_layout_loads_into_every_other(packi
         for kv_cache_layout in KV_CACHE_LAYOUTS:
             caches = allocate_paged(layout, backend, kv_cache_layout, BLOCKS, block_size, kernel)
             target = PagedKV(caches, name, layout, block_size)
-            target.scatter_chunk([2, 6, 1], chunk, 0, chunk.shape[2])
+            target.scatter_chunk([5, 6, 1], chunk, 0, chunk.shape[2])  # a run of two blocks, then one
             back = torch.empty_like(chunk)
-            target.gather_chunk([2, 6, 1], back)
+            target.gather_chunk([5, 6, 1], back)
             assert torch.equal(as_bytes(back), as_bytes(chunk)), (name, kv_cache_layout)
 
 
