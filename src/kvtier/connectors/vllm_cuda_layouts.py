@@ -21,8 +21,8 @@ blocks than vLLM's ``block_size``, each of vLLM's blocks is ``ratio`` consecutiv
 of blocks times ``ratio``, ``N`` the kernel block size). Other packings (nvfp4, per-token-head scales, sparse MLA)
 have another ``C`` or ``H`` and are refused, naming the backend.
 
-``ATTENTION_BACKENDS`` and ``KV_CACHE_LAYOUTS`` are read from the wheels' source by ``tests/unit/
-test_cuda_layouts.py``, which also checks ``allocate_paged`` against vLLM's own ``create_kv_cache_views``.
+``tests/integration/vllm/test_cuda_wheels.py`` checks ``ATTENTION_BACKENDS`` and ``KV_CACHE_LAYOUTS`` against the
+wheels' source, and ``allocate_paged`` and the copies against vLLM's own ``create_kv_cache_views`` and reads.
 """
 
 from __future__ import annotations
