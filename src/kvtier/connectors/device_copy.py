@@ -8,13 +8,15 @@ than torch's CPU ``index_copy_``). Every CUDA-only line of kvtier is in this mod
 * Copies run on a side stream that first waits for the compute stream (the KV the forward pass wrote, the blocks it
   freed). A load records an event after its scatter; ``wait_loaded`` makes the compute stream wait for it on the
   device (the connector calls it when the forward pass reaches its first attention layer), so a loaded block is read
-  only once it is there and the work before that overlaps the copy. The host never waits for the compute stream.
+  only once it is there and the work before that overlaps the copy. The host waits on the side stream only, never
+  with a device-wide synchronisation.
 * Host memory: the shared-memory L1 registered with ``cudaHostRegister`` (``register_host``), so the DMA engine
   reads and writes the L1 slot itself; memory that is not registered (refused, or another buffer) goes through a
   pinned staging buffer from torch's caching host allocator. A load from registered memory waits, on the host, for
   its host-to-device copy (not the scatter) before it returns, unless the caller keeps the memory pinned and waits
-  on the returned event itself (``wait_host=False``); from a pinned staging buffer it never waits. A store waits for
-  its copy: the L1 slot must be complete before the store commits.
+  on the returned event itself (``wait_host=False``); from a pinned staging buffer it does not wait. A store waits
+  until its copy is done (the L1 slot must be complete before the store commits), which comes after the compute
+  stream's work so far: the forward pass that wrote that KV.
 * Block ids go to the device in a pinned buffer (``non_blocking``): no ``.tolist()``, ``.numpy()``, ``.item()`` or
   pageable copy of a device tensor anywhere on these paths.
 
@@ -108,7 +110,7 @@ class DeviceCopier:
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        done.synchronize()  # the side stream only: the host never waits for the compute stream
+        done.synchronize()  # this copy only (and the compute work it waited for), never the whole device
         if host is not out:
             out.copy_(host)
 
