@@ -32,7 +32,7 @@ from harness.kvtier_server import ServerProcess
 
 from kvtier.client import Client
 from kvtier.connectors.device_copy import DeviceCopier
-from kvtier.connectors.vllm_cuda_layouts import ATTENTION_BACKENDS, KV_CACHE_LAYOUTS, PagedKV, allocate_paged
+from kvtier.connectors.vllm_cuda_layouts import ATTENTION_BACKENDS, KV_CACHE_LAYOUTS, PagedKV, allocate_paged, raw_dtype
 from kvtier.layout import KVLayout
 from kvtier.tensors import as_torch
 
@@ -47,8 +47,7 @@ class Setup:
     def __init__(self, args, device: torch.device, log_dir: Path):
         self.args, self.device = args, device
         self.shapes = QUICK_SHAPES if args.quick else SHAPES
-        self.chunk_tokens = 128 if args.quick else 256
-        self.block_size = 128  # every backend's kernels take it, or split it into kernel blocks
+        self.chunk_tokens = 128 if args.quick else 256  # a multiple of every backend's block size
         l1 = "1GB" if args.quick else "8GB"
         config = {"server": {"max_reserved_fraction_per_client": 1.0, "max_reserved_fraction_per_principal": 1.0,
                              "max_reserved_fraction_all_clients": 1.0}}
@@ -67,19 +66,21 @@ class Setup:
         self.prompt += 1
         return [self.prompt] + list(range(chunks * self.chunk_tokens - 1))
 
-    def paged(self, name: str, kv_cache_layout: str, dtype: str, blocks: int, fill: bool = False):
+    def paged(self, name: str, kv_cache_layout: str, dtype: str, chunks: int, fill: bool = False):
+        """A cache of ``chunks`` chunks in the backend's smallest block size (16, or its fixed size), its layout and
+        its client."""
         backend = ATTENTION_BACKENDS[name]
         layers, heads, head_dim = self.shapes[backend.packing]
         torch_dtype, kv_dtype = DTYPES[dtype]
         layout = KVLayout(layers, heads, head_dim, kv_dtype, latent=backend.packing == "latent")
-        caches = allocate_paged(layout, backend, kv_cache_layout, blocks, self.block_size,
-                                min([*backend.block_sizes, *backend.block_multiples]), device=self.device,
-                                cache_dtype=torch_dtype)
+        block_size = min([*backend.block_sizes, *backend.block_multiples])
+        caches = allocate_paged(layout, backend, kv_cache_layout, chunks * self.chunk_tokens // block_size, block_size,
+                                device=self.device, cache_dtype=torch_dtype)
         if fill:  # random bytes in every block (the device's own generator: fast on a GPU)
             torch.tensor([], dtype=torch.uint8, device=self.device).set_(caches[0].untyped_storage()).random_(0, 256)
         client = self.client(layout)
         copier = DeviceCopier(self.device, host_memory=lambda: client.shared_memory)
-        return PagedKV(caches, name, layout, self.block_size, copier=copier), layout, client
+        return PagedKV(caches, name, layout, block_size, copier=copier), layout, client
 
     def close(self) -> None:
         for client in self.clients.values():
@@ -87,34 +88,32 @@ class Setup:
         self.server.stop()
 
 
-def store(paged: PagedKV, client: Client, tokens: list[int], block_ids: list[int], bs: int, spent: list) -> int:
+def store(paged: PagedKV, client: Client, tokens: list[int], block_ids: list[int], spent: list) -> int:
+    """As the connector stores: one ``store_chunks``, whose fill gathers each chunk into its L1 slot (timed)."""
     def fill(start: int, dst) -> None:
         began = time.perf_counter()
-        paged.gather_chunk(block_ids[start // bs:], as_torch(dst, paged_dtype(paged, dst)))
+        paged.gather_chunk(block_ids[start // paged.block_size:], as_torch(dst, raw_dtype(dst.dtype.itemsize)))
         spent.append(time.perf_counter() - began)
 
     return client.store_chunks(tokens, fill)
 
 
-def paged_dtype(paged: PagedKV, arr) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[arr.dtype.itemsize]
-
-
-def load(paged: PagedKV, client: Client, tokens: list[int], block_ids: list[int], bs: int) -> int:
-    """As the connector loads: one ``retrieve_chunks``, a scatter per chunk (the host waits for each DMA)."""
+def load(paged: PagedKV, client: Client, tokens: list[int], block_ids: list[int], wait_host: bool = True) -> int:
+    """As the connector loads: one ``retrieve_chunks``, a scatter per chunk (the host waits for each DMA unless
+    ``wait_host`` is False: then until the last copy is done, before the pins end)."""
     with client.retrieve_chunks(tokens) as got:
         for start, view in got.chunks:
-            chunk = as_torch(view, paged_dtype(paged, view))
-            paged.scatter_chunk(block_ids[start // bs:], chunk, 0, chunk.shape[2])
+            chunk = as_torch(view, raw_dtype(view.dtype.itemsize))
+            paged.scatter_chunk(block_ids[start // paged.block_size:], chunk, 0, chunk.shape[2], wait_host=wait_host)
+        if not wait_host:
+            paged.copier.synchronize()
     return got.num_tokens if got.ok else 0
 
 
 def bit_exact(setup: Setup, chunks: int) -> tuple[int, int]:
     """Every backend x layout x dtype: store from one, load into the next of the same packing, compare."""
     gen = torch.Generator().manual_seed(0)  # block ids; the KV bytes come from the device's generator
-    bs, names = setup.block_size, list(ATTENTION_BACKENDS)
-    layouts = list(KV_CACHE_LAYOUTS)
-    blocks = chunks * setup.chunk_tokens // bs
+    names, layouts = list(ATTENTION_BACKENDS), list(KV_CACHE_LAYOUTS)
     ok = total = 0
     for name in names:
         same = [n for n in names if ATTENTION_BACKENDS[n].packing == ATTENTION_BACKENDS[name].packing]
@@ -123,14 +122,13 @@ def bit_exact(setup: Setup, chunks: int) -> tuple[int, int]:
             for dtype in DTYPES:
                 if dtype == "fp8" and not all("fp8" in ATTENTION_BACKENDS[n].kv_cache_dtypes for n in (name, other)):
                     continue
-                src, layout, client = setup.paged(name, kv_cache_layout, dtype, blocks + 3, fill=True)
-                dst, _, _ = setup.paged(other, layouts[(i + 1) % len(layouts)], dtype, blocks + 5)
+                src, layout, client = setup.paged(name, kv_cache_layout, dtype, chunks + 1, fill=True)
+                dst, _, _ = setup.paged(other, layouts[(i + 1) % len(layouts)], dtype, chunks + 2)
                 tokens = setup.tokens(chunks)
-                src_ids = torch.randperm(blocks + 3, generator=gen)[:blocks].tolist()
-                dst_ids = torch.randperm(blocks + 5, generator=gen)[:blocks].tolist()
-                stored = store(src, client, tokens, src_ids, bs, [])
-                loaded = load(dst, client, tokens, dst_ids, bs)
-                want = torch.empty(layout.chunk_shape(len(tokens)), dtype=torch.uint8 if layout.element_size == 1 else torch.int16)
+                src_ids, dst_ids = (shuffled(p, chunks * setup.chunk_tokens, gen) for p in (src, dst))
+                stored = store(src, client, tokens, src_ids, [])
+                loaded = load(dst, client, tokens, dst_ids)
+                want = torch.empty(layout.chunk_shape(len(tokens)), dtype=raw_dtype(layout.element_size))
                 got = torch.empty_like(want)
                 src.gather_chunk(src_ids, want)
                 dst.wait_loaded()
@@ -143,14 +141,19 @@ def bit_exact(setup: Setup, chunks: int) -> tuple[int, int]:
     return ok, total
 
 
+def shuffled(paged: PagedKV, tokens: int, gen: torch.Generator) -> list[int]:
+    """Distinct random block ids of ``paged`` holding ``tokens`` tokens."""
+    blocks = paged.views[0].shape[1]
+    return torch.randperm(blocks, generator=gen)[:tokens // paged.block_size].tolist()
+
+
 def timings(setup: Setup, chunks: int, repeat: int) -> None:
     """GB/s against a pinned copy of the same bytes, and the compute-stream hold of one load (CUDA only)."""
-    bs = setup.block_size
-    blocks = chunks * setup.chunk_tokens // bs
+    gen = torch.Generator().manual_seed(1)
     for name, kv_cache_layout in [("FLASH_ATTN", lay) for lay in KV_CACHE_LAYOUTS] + [("FLASHMLA", "LBNHC")]:
-        src, layout, client = setup.paged(name, kv_cache_layout, "bfloat16", blocks, fill=True)
-        dst, _, _ = setup.paged(name, kv_cache_layout, "bfloat16", blocks)
-        ids = list(range(blocks))
+        src, layout, client = setup.paged(name, kv_cache_layout, "bfloat16", chunks, fill=True)
+        dst, _, _ = setup.paged(name, kv_cache_layout, "bfloat16", chunks)
+        ids = shuffled(src, chunks * setup.chunk_tokens, gen)
         nbytes = layout.chunk_bytes(chunks * setup.chunk_tokens)
         per_chunk = layout.chunk_bytes(setup.chunk_tokens)
         device_buf = torch.empty(chunks, per_chunk, dtype=torch.uint8, device=setup.device)
@@ -159,13 +162,13 @@ def timings(setup: Setup, chunks: int, repeat: int) -> None:
         for _ in range(repeat):
             tokens, spent = setup.tokens(chunks), []
             began = time.perf_counter()
-            store(src, client, tokens, ids, bs, spent)
+            store(src, client, tokens, ids, spent)
             note(best, "store_call", time.perf_counter() - began)
             note(best, "d2l1", sum(spent))
             note(best, "d2h_pinned", timed_sync(lambda: [pinned[i].copy_(device_buf[i], non_blocking=True)
                                                          for i in range(chunks)]))
             began = time.perf_counter()
-            load(dst, client, tokens, ids, bs)
+            load(dst, client, tokens, ids)
             dst.wait_loaded()
             torch.cuda.synchronize()
             note(best, "l12d", time.perf_counter() - began)
@@ -183,11 +186,11 @@ def timings(setup: Setup, chunks: int, repeat: int) -> None:
 
 def hold(setup: Setup, dst: PagedKV, client: Client, ids: list[int], chunks: int) -> None:
     """Compute-stream work issued right after one load of ``chunks`` chunks, against the same work alone."""
-    tokens, bs = setup.tokens(chunks), setup.block_size
-    store(dst, client, tokens, ids, bs, [])
+    tokens = setup.tokens(chunks)
+    store(dst, client, tokens, ids, [])
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=setup.device)
     per = timed_events(lambda: a @ a)
-    copy = timed_events(lambda: load(dst, client, tokens, ids, bs), side=dst)
+    copy = timed_events(lambda: load(dst, client, tokens, ids), side=dst)
     count = max(1, int(2 * copy / per))
 
     def work():
@@ -201,8 +204,8 @@ def hold(setup: Setup, dst: PagedKV, client: Client, ids: list[int], chunks: int
         began.record()
         with client.retrieve_chunks(tokens) as got:
             for start, view in got.chunks:
-                chunk = as_torch(view, paged_dtype(dst, view))
-                dst.scatter_chunk(ids[start // bs:], chunk, 0, chunk.shape[2], wait_host=wait_host)
+                chunk = as_torch(view, raw_dtype(view.dtype.itemsize))
+                dst.scatter_chunk(ids[start // dst.block_size:], chunk, 0, chunk.shape[2], wait_host=wait_host)
             work()  # the next forward pass: it reads the loaded KV only at its end
             dst.wait_loaded()
             ended.record()
