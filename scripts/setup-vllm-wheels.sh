@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The Python sources of the CUDA vLLM wheels kvtier's connector is checked against (0.33.0 and 0.34.0), for the tests
-# that read their attention layouts and connector contract (tests/integration/vllm/test_vllm_cuda_wheels.py).
+# that read their attention layouts and connector contract (tests/integration/vllm/test_cuda_wheels.py).
 # Each wheel is downloaded once with --no-deps (never installed: it pins a CUDA torch), only its vllm/**/*.py files
 # are kept under .cache/vllm-wheels/<version>/ (about 60 MB each; the 240-340 MB wheel is deleted), and a version
 # already there is left alone. Idempotent.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-DEST=${VLLM_WHEELS_DIR:-$ROOT/.cache/vllm-wheels}
+DEST=$ROOT/.cache/vllm-wheels  # tests/support/vllm_wheels.py reads them there
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 for version in 0.33.0 0.34.0; do
