@@ -125,8 +125,10 @@ def test_partial_chunks_layers_and_unaligned_ranges():
     assert torch.equal(as_bytes(layer[:, :32]), as_bytes(whole[0, :, 16:]))
     with pytest.raises(InputError, match="not whole 16-token blocks"):
         fresh.scatter_chunk([4, 6], whole, 8, 40)
-    with pytest.raises(InputError, match="not whole"):
-        fresh.scatter_chunk([4], whole, 0, 48)  # three blocks' tokens, one block given
+    with pytest.raises(InputError, match="48 tokens need 3 blocks, only 1 given"):
+        fresh.scatter_chunk([4], whole, 0, 48)
+    with pytest.raises(InputError, match="need 3 blocks"):
+        fresh.gather_chunk([4, 6], whole)
 
 
 def test_layers_in_separate_allocations_are_copied_one_by_one():

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.connectors.vllm_layout import check_block_range, check_blocks
 from kvtier.errors import InputError
 from kvtier.layout import KVLayout
 
@@ -210,6 +211,7 @@ class PagedKV:
     def gather_chunk(self, block_ids, out: torch.Tensor) -> None:
         """Write the KV of ``out.shape[2]`` tokens held in ``block_ids`` into ``out`` (host,
         ``layout.chunk_shape(n)``, C-contiguous; e.g. an L1 slot). Mutates ``out``; returns once it is written."""
+        check_blocks(self.block_size, block_ids, out.shape[2])
         raw = out.view(self.raw)
         if self.stacked is not None:
             self.copier.gather(self.stacked, 2, block_ids, raw)
@@ -222,10 +224,7 @@ class PagedKV:
         ``block_ids``. Mutates the KV cache (on CUDA: read it after ``wait_loaded``). ``wait_host=False``: return
         before a DMA from registered memory has read ``chunk``; keep it (and its pin) until ``copier.synchronize``.
         Raises InputError on an unaligned range or too few blocks."""
-        bs = self.block_size
-        if first % bs or last % bs or not 0 <= first <= last <= chunk.shape[2] or (last - first) // bs > len(block_ids):
-            raise InputError(f"tokens [{first}, {last}) of a {chunk.shape[2]}-token chunk are not whole {bs}-token "
-                             f"blocks among the {len(block_ids)} given")
+        check_block_range(self.block_size, block_ids, chunk.shape[2], first, last)
         src = chunk.view(self.raw)[:, :, first:last]
         if self.stacked is not None:
             self.copier.scatter(self.stacked, 2, block_ids, src, wait_host)
@@ -241,13 +240,13 @@ class PagedKV:
     def gather_layer(self, layer: int, block_ids, out: torch.Tensor) -> None:
         """Layer ``layer``'s KV of ``out.shape[1]`` tokens held in ``block_ids`` into ``out`` (host,
         ``(kv_parts, n, num_kv_heads, head_dim)``). Mutates ``out``."""
+        check_blocks(self.block_size, block_ids, out.shape[1])
         self.copier.gather(self.views[layer], 1, block_ids, out.view(self.raw))
 
     def scatter_layer(self, layer: int, block_ids, src: torch.Tensor) -> None:
         """Write ``src`` (host, ``(kv_parts, n, num_kv_heads, head_dim)``, n whole blocks) into layer ``layer``'s
         ``block_ids``. Mutates the KV cache."""
-        if src.shape[1] % self.block_size:
-            raise InputError(f"a load of {src.shape[1]} tokens is not a whole number of {self.block_size}-token blocks")
+        check_block_range(self.block_size, block_ids, src.shape[1], 0, src.shape[1])
         self.copier.scatter(self.views[layer], 1, block_ids, src.view(self.raw))
 
 
@@ -260,7 +259,7 @@ def paged_blocks(kv_caches: list[torch.Tensor], names: list[str], backend: str, 
         InputError: a backend kvtier has no layout for, or a layer it cannot copy (named).
     """
     if backend == CPU_BACKEND:
-        from kvtier.connectors.vllm_layout import block_views, check_paged_shape, engine_block_order
+        from kvtier.connectors.vllm_layout import block_views, check_paged_shape, engine_block_order  # imports vLLM
 
         for cache, name in zip(kv_caches, names):
             check_paged_shape(cache, layout, block_size, name)

@@ -221,7 +221,7 @@ class CPUBlocks:
         ``block_ids`` of every layer; ``first`` and ``last`` are block-aligned offsets into the chunk. One copy,
         straight from the chunk (e.g. a shared-memory slot) into vLLM's memory. Mutates the KV cache. Raises
         InputError on an unaligned range or too few blocks."""
-        _check_range(self.block_size, block_ids, chunk.shape[2], first, last)
+        check_block_range(self.block_size, block_ids, chunk.shape[2], first, last)
         for layer, dst in enumerate(self.layers):
             _scatter(dst, block_ids, chunk[layer, :, first:last])
 
@@ -229,7 +229,7 @@ class CPUBlocks:
         """Write the KV of ``out.shape[2]`` tokens held in ``block_ids`` of every layer into ``out``
         ``(num_layers, 2, n, num_kv_heads, head_dim)`` (e.g. a shared-memory slot): one copy. Mutates ``out``.
         Raises InputError when ``block_ids`` holds fewer than n tokens."""
-        _check_blocks(self.block_size, block_ids, out.shape[2])
+        check_blocks(self.block_size, block_ids, out.shape[2])
         for layer, src in enumerate(self.layers):
             _gather(src, block_ids, out[layer])
 
@@ -239,28 +239,29 @@ class CPUBlocks:
     def gather_layer(self, layer: int, block_ids, out: torch.Tensor) -> None:
         """Layer ``layer``'s KV of ``out.shape[1]`` tokens held in ``block_ids`` into ``out``
         ``(2, n, num_kv_heads, head_dim)``. Mutates ``out``."""
-        _check_blocks(self.block_size, block_ids, out.shape[1])
+        check_blocks(self.block_size, block_ids, out.shape[1])
         _gather(self.layers[layer], block_ids, out)
 
     def scatter_layer(self, layer: int, block_ids, src: torch.Tensor) -> None:
         """Write ``src`` ``(2, n, num_kv_heads, head_dim)``, ``n`` a whole number of blocks, into layer ``layer``'s
         blocks ``block_ids``. Mutates the KV cache."""
-        _check_range(self.block_size, block_ids, src.shape[1], 0, src.shape[1])
+        check_block_range(self.block_size, block_ids, src.shape[1], 0, src.shape[1])
         _scatter(self.layers[layer], block_ids, src)
 
 
-def _check_blocks(block_size: int, block_ids, num_tokens: int) -> None:
+def check_blocks(block_size: int, block_ids, num_tokens: int) -> None:
+    """Raise InputError unless ``block_ids`` (blocks of ``block_size`` tokens) hold ``num_tokens`` tokens."""
     nb = -(-num_tokens // block_size)
     if nb > len(block_ids):
         raise InputError(f"{num_tokens} tokens need {nb} blocks, only {len(block_ids)} given")
 
 
-def _check_range(block_size: int, block_ids, num_tokens: int, first: int, last: int) -> None:
+def check_block_range(block_size: int, block_ids, num_tokens: int, first: int, last: int) -> None:
     """Raise InputError unless ``[first, last)`` of ``num_tokens`` is whole blocks and ``block_ids`` holds them."""
     if first % block_size or last % block_size or not 0 <= first <= last <= num_tokens:
         raise InputError(f"tokens [{first}, {last}) of a {num_tokens}-token chunk are not whole "
                          f"{block_size}-token blocks")
-    _check_blocks(block_size, block_ids, last - first)
+    check_blocks(block_size, block_ids, last - first)
 
 
 def scatter_chunk(blocks, block_ids, chunk: torch.Tensor, first: int, last: int) -> None:
