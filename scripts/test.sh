@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite: installs the storage servers the tests start (redis-server,
-# moto, SeaweedFS, Valkey, Azurite), the vLLM CPU and SGLang environments, makes sure Redis answers on 6379.
+# moto, SeaweedFS, Valkey, Azurite), the vLLM CPU and SGLang environments and the CUDA vLLM wheels' sources,
+# makes sure Redis answers on 6379.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install-services.sh
 if [ -f scripts/setup-vllm.sh ]; then bash scripts/setup-vllm.sh; fi
+bash scripts/setup-vllm-wheels.sh  # the CUDA vLLM 0.33 / 0.34 sources the connector is checked against
 if [ -f scripts/setup-dynamo.sh ]; then bash scripts/setup-dynamo.sh; fi  # after setup-vllm: it adds the Dynamo wheels to .venv-vllm
 if [ -f scripts/setup-sglang.sh ]; then bash scripts/setup-sglang.sh; fi
 if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then

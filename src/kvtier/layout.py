@@ -1,7 +1,9 @@
 """KV layout: the shape and dtype of one model's KV cache as kvtier stores it.
 
 The canonical chunk tensor is ``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``
-(axis 1: 0 = keys, 1 = values), C-contiguous, in the layout's dtype.
+(axis 1: 0 = keys, 1 = values), C-contiguous, in the layout's dtype. A latent layout (multi-head latent
+attention, MLA: one vector per token and layer, no key / value split) has one part on axis 1 and one head:
+``(num_layers, 1, num_tokens, 1, head_dim)``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class KVLayout:
             KV cache groups (sliding-window and full attention: ``connectors.vllm_groups``), e.g.
             ``"sliding_window/512/0,6,12"`` (attention kind / window / the layer indexes along the layout's layer
             axis, in that order). ``""`` (the default) means every layer of the model in layer order, full KV.
+        latent: MLA's latent KV (vLLM's ``MLAAttentionSpec``: ``head_size_v`` 0): one vector of ``head_dim``
+            elements per token and layer, ``num_kv_heads`` 1, ``kv_parts`` 1. False (the default): keys and values.
     """
 
     num_layers: int
@@ -47,6 +51,7 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     group: str = ""
+    latent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tp_size"):
@@ -59,6 +64,9 @@ class KVLayout:
             raise InputError(f"KVLayout.group must be a str, got {self.group!r}")
         if self.dtype not in DTYPE_SIZES:
             raise InputError(f"KVLayout.dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_SIZES)}")
+        if not isinstance(self.latent, bool) or (self.latent and self.num_kv_heads != 1):
+            raise InputError(f"KVLayout.latent must be a bool, and a latent (MLA) layout has one KV head; got "
+                             f"latent={self.latent!r}, num_kv_heads={self.num_kv_heads}")
 
     @property
     def layout_id(self) -> str:
@@ -70,6 +78,8 @@ class KVLayout:
         text = f"v1|{self.dtype}|{self.num_layers}|{self.num_kv_heads}|{self.head_dim}|{self.tp_size}|{self.tp_rank}"
         if self.group:  # appended only when set: the ids of single-group layouts stay what they were
             text += f"|{self.group}"
+        if self.latent:
+            text += "|latent"
         return xxhash.xxh3_64_hexdigest(text.encode())
 
     @property
@@ -78,13 +88,18 @@ class KVLayout:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def kv_parts(self) -> int:
+        """Entries of the chunk's axis 1: 2 (keys, values), or 1 for a latent (MLA) layout."""
+        return 1 if self.latent else 2
+
+    @property
     def bytes_per_token(self) -> int:
-        """KV bytes for one token across all layers, keys and values."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+        """KV bytes for one token across all layers, keys and values (or the latent vector)."""
+        return self.num_layers * self.kv_parts * self.num_kv_heads * self.head_dim * self.element_size
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        """``(num_layers, 2, num_tokens, num_kv_heads, head_dim)``."""
-        return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim)
+        """``(num_layers, kv_parts, num_tokens, num_kv_heads, head_dim)``: ``kv_parts`` is 2, or 1 when latent."""
+        return (self.num_layers, self.kv_parts, num_tokens, self.num_kv_heads, self.head_dim)
 
     def chunk_bytes(self, num_tokens: int) -> int:
         """Payload size in bytes of a chunk of ``num_tokens`` tokens."""
@@ -96,10 +111,12 @@ class KVLayout:
             if self.dtype != "float16" else np.dtype(np.float16)
 
     def to_dict(self) -> dict:
-        """The fields as a dict (``group`` only when set, so single-group layouts keep their old form)."""
+        """The fields as a dict (``group`` and ``latent`` only when set, so other layouts keep their old form)."""
         data = asdict(self)
         if not self.group:
             del data["group"]
+        if not self.latent:
+            del data["latent"]
         return data
 
     @classmethod
@@ -129,7 +146,7 @@ class KVLayout:
         if shape != self.chunk_shape(num_tokens):
             raise InputError(
                 f"KV tensor shape {shape} does not match the layout: expected "
-                f"(num_layers, 2, num_tokens, num_kv_heads, head_dim) = {self.chunk_shape(num_tokens)}"
+                f"(num_layers, kv_parts, num_tokens, num_kv_heads, head_dim) = {self.chunk_shape(num_tokens)}"
             )
         got = str(kv.dtype).removeprefix("torch.")
         ok = got == self.dtype or (got == "uint16" and self.element_size == 2) or (got == "uint8" and self.element_size == 1)

@@ -11,7 +11,8 @@ from pathlib import Path
 import kvtier
 
 ROOT = Path(kvtier.__file__).resolve().parent  # the kvtier under test (a worktree's src, or the install)
-LEAVES = ("kvtier.errors", "kvtier.units", "kvtier.proc", "kvtier.zmq_context", "kvtier.medium")  # import no kvtier module but kvtier.errors
+# import no kvtier module but kvtier.errors
+LEAVES = ("kvtier.errors", "kvtier.units", "kvtier.proc", "kvtier.zmq_context", "kvtier.medium")
 VOCABULARY = ("kvtier.hashing", "kvtier.keys", "kvtier.extra_keys", "kvtier.identity", "kvtier.layout", "kvtier.record",
               "kvtier.tensors", "kvtier.metrics", "kvtier.protocol", "kvtier.shm", "kvtier.config", "kvtier.auth",
               "kvtier.backend", "kvtier.models", "kvtier.codecs", "kvtier.hints", "kvtier.pages")

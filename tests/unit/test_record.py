@@ -117,6 +117,30 @@ def test_layout_ids_separate_dtypes_and_tp():
     assert KVLayout(30, 3, 64).chunk_bytes(256) == 11_796_480  # 11.25 MiB
 
 
+def test_a_latent_layout_is_one_part_with_its_own_id_and_record():
+    latent = KVLayout(4, 1, 576, "bfloat16", latent=True)
+    assert latent.chunk_shape(8) == (4, 1, 8, 1, 576) and latent.kv_parts == 1
+    assert latent.bytes_per_token == 4 * 576 * 2
+    assert latent.layout_id != KVLayout(4, 1, 576, "bfloat16").layout_id
+    assert latent.to_dict()["latent"] is True and "latent" not in KVLayout(4, 1, 576).to_dict()
+    assert KVLayout.from_dict(latent.to_dict()) == latent
+    with pytest.raises(InputError, match="one KV head"):
+        KVLayout(4, 2, 576, latent=True)
+    key = ChunkKey("m", latent.layout_id, "", b"\x02" * 32)
+    payload = np.arange(latent.chunk_bytes(4) // 2, dtype=np.uint16)
+    header, view = decode_record(b"".join(bytes(p) for p in encode_record(key, latent, [1, 2, 3, 4], payload)), key)
+    assert KVLayout.from_dict(header.layout) == latent and bytes(view) == payload.tobytes()
+
+
+def test_lossy_codecs_refuse_a_latent_layout():
+    from kvtier.codecs import get_codec
+
+    latent = KVLayout(2, 1, 64, "float32", latent=True)
+    kv = np.zeros(latent.chunk_shape(16), np.float32)
+    with pytest.raises(InputError, match="latent"):
+        get_codec("int8").encode(kv, latent, 16)
+
+
 def test_layout_validation():
     with pytest.raises(InputError, match="shape"):
         LAYOUT.validate_kv(np.zeros((2, 2, 5, 3, 4), np.float32), 4)

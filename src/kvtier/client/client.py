@@ -288,6 +288,12 @@ class Client:
         return reply.stats if isinstance(reply, P.StatsReply) else {}
 
     @property
+    def shared_memory(self):
+        """The server's L1 arena as this process maps it now (``dataplane.SharedMapping``; a new one after the server
+        restarts), or None when chunks travel as frames."""
+        return self.transport.arena
+
+    @property
     def uses_shared_memory(self) -> bool:
         """Whether KV bytes currently go through the server's shared L1 (else as frames)."""
         return self.transport.arena is not None

@@ -44,6 +44,10 @@ class SharedMapping:
         shm_name: the file name under /dev/shm (``HelloReply.shm_name``).
         capacity_bytes: bytes to map from offset 0 (``HelloReply.shm_capacity_bytes``), an int > 0.
 
+    Attributes:
+        address: the mapping's first byte in this process's memory; close_hooks: callables run with the mapping
+            when ``close`` starts, before it is unmapped.
+
     Raises:
         ConfigError: unsafe name, bad capacity, file missing, or file smaller than ``capacity_bytes``.
     """
@@ -67,6 +71,9 @@ class SharedMapping:
         self.capacity_bytes = capacity_bytes
         self._buf = memoryview(self._mmap)
         self._closed = False
+        self.address = np.frombuffer(self._buf, dtype=np.uint8).ctypes.data  # the export ends with the array
+        # called with this mapping before it is unmapped (e.g. to cudaHostUnregister it: connectors.device_copy)
+        self.close_hooks: list = []
         # one flag per POPULATE_BYTES region: already populated in this process (see ``populate``)
         self._populated = bytearray(-(-capacity_bytes // POPULATE_BYTES))
 
@@ -113,6 +120,8 @@ class SharedMapping:
         if self._closed:
             return
         self._closed = True
+        for hook in self.close_hooks:
+            hook(self)
         self._buf.release()
         try:
             self._mmap.close()

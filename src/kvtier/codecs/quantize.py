@@ -108,6 +108,9 @@ class _OneByte(Transform):
         torch = _torch()
         if layout.dtype not in _FLOAT_DTYPES:
             raise InputError(f"{self.name} encodes {_FLOAT_DTYPES} KV, not {layout.dtype}")
+        if layout.latent:  # its scales are per key / value part; a latent vector is neither
+            raise InputError(f"{self.name} quantizes keys and values; a latent (MLA) layout is stored with a "
+                             "lossless codec (none, lz4, zstd)")
         params = self._params()
         num_tokens = kv.shape[2]
         elements = kv.numel()

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvtier.connectors.vllm_backends import Backends
 from kvtier.connectors.vllm_config import connector_config, layout_of
+from kvtier.connectors.vllm_cuda_layouts import attention_backend_names
 from kvtier.connectors.vllm_groups import KVGroups
 from kvtier.connectors.vllm_hybrid import HybridScheduler, HybridWorker
 from kvtier.connectors.vllm_identity import VLLMIdentity
@@ -182,7 +183,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):
-        self.worker.register_kv_caches(kv_caches)
+        self.worker.register_kv_caches(kv_caches, attention_backend_names(self._vllm_config, kv_caches))
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())
@@ -210,6 +211,22 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a later miss
+
+    # ---- the vLLM 0.33 / 0.34 contract (docs/deployment.md, "CUDA vLLM") -----------------------------------
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """vLLM 0.34: kvtier copies with torch inside the worker process, so the extensible KV cache stays on."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config) -> bool:
+        return False  # kvtier hashes whole chunks of prompt tokens, never lookahead tokens
+
+    def may_load_async(self, request) -> bool:
+        # a load from kvtier is a host-memory copy done in the step that schedules it: nothing to start early
+        return False
 
     def shutdown(self):
         if self.feed is not None:

@@ -57,6 +57,11 @@ class Backends:
         else:
             check_chunk_size(self.chunk_size, self.block_size)
 
+    def shared_memory(self):
+        """The shared-memory L1 this process maps for the first part's backend (a server client's arena), or None
+        (in process, or chunks travel as frames): what a CUDA worker registers for its copies."""
+        return getattr(self.backends[0], "shared_memory", None)
+
     def _open(self, layout, expect: dict, prefault: bool) -> KVBackend | None:
         settings = self.config.connector
         if self.in_process:

@@ -159,11 +159,23 @@ def check_chunk_size(chunk_size: int, block_size: int) -> None:
 
 
 def layout_of(vllm_config) -> KVLayout:
-    """kvtier's KVLayout of this vLLM instance's KV cache (per tensor-parallel shard)."""
+    """kvtier's KVLayout of this vLLM instance's KV cache (per tensor-parallel shard): the model's layers, KV heads
+    and head size, the KV cache dtype (``--kv-cache-dtype``: ``auto`` is the model's; fp8 is ``float8_e4m3fn``,
+    fp8_e5m2 ``float8_e5m2``), latent for an MLA model (one head of ``kv_lora_rank + qk_rope_head_dim``).
+
+    Raises:
+        ConfigError: tensor or pipeline parallelism, or a ``kv_cache_dtype`` kvtier does not copy.
+    """
+    from kvtier.connectors.vllm_cuda_layouts import CACHE_DTYPES
+
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    dtype = vllm_config.cache_config.cache_dtype
-    dtype = str(mc.dtype).removeprefix("torch.") if dtype == "auto" else dtype
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype {cache_dtype!r}: kvtier copies {', '.join(CACHE_DTYPES)} KV caches; "
+                          "run with one of those or without the kvtier connector")
+    dtype = CACHE_DTYPES[cache_dtype] or str(mc.dtype).removeprefix("torch.")
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
         raise ConfigError("the kvtier vLLM connector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
                           f"only (got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size})")
-    return KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), dtype)
+    return KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), dtype,
+                    latent=bool(getattr(mc, "use_mla", False)))

@@ -43,7 +43,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from kvtier.connectors.vllm_layout import check_paged_shape, layer_index, layer_order
+from kvtier.connectors.vllm_layout import layer_index, layer_order
 from kvtier.errors import ConfigError, InputError
 from kvtier.layout import KVLayout
 
@@ -208,15 +208,13 @@ class KVGroups:
                           "kvtier.chunk_size or the server's --chunk-size)")
 
     def check_kv_caches(self, kv_caches: Mapping) -> None:
-        """Check vLLM's registered ``{layer name: tensor}``: every layer of every part is there, each
-        ``[num_blocks, num_kv_heads, block_size, 2*head_dim]`` in the part's dtype. Raises InputError naming the
-        layer."""
+        """Check vLLM's registered ``{layer name: tensor}``: every layer of every part is there (their shapes are
+        checked where they are viewed: ``vllm_cuda_layouts.paged_blocks``). Raises InputError naming the layer."""
         for part in self.parts:
             for name in part.layer_names:
                 if name not in kv_caches:
                     raise InputError(f"vLLM registered no KV cache for layer {name} of KV cache groups "
                                      f"{part.group_ids}; registered: {sorted(kv_caches)[:6]}...")
-                check_paged_shape(kv_caches[name], part.layout, part.block_size, name)
 
     def load_end(self, num_prompt_tokens: int, hits: Sequence[int]) -> int:
         """Where a load from kvtier ends: the shortest of the parts' leading hits ``hits`` (tokens, one per part,

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtier.connectors.vllm_layout import block_views, engine_block_order, gather_chunk, scatter_chunk
+from kvtier.connectors.vllm_cuda_layouts import group_backend, paged_blocks
+from kvtier.connectors.vllm_layout import gather_chunk, scatter_chunk
 from kvtier.connectors.vllm_scheduler import scheduled_again
 from kvtier.errors import InputError
 from kvtier.hints import RetentionHint
@@ -242,12 +243,14 @@ class HybridWorker:
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
 
-    def register(self, kv_caches) -> None:
+    def register(self, kv_caches, backends: dict[str, str]) -> None:
+        """vLLM's ``{layer name: KV cache}``; ``backends``: each layer's attention backend name."""
         self.groups.check_kv_caches(kv_caches)
         for part in self.groups.parts:
-            order = engine_block_order(self._torch_dtype, part.block_size, part.layout.head_dim)
             for g, names in part.groups:
-                self._group_blocks[g] = block_views([kv_caches[name] for name in names], order)
+                self._group_blocks[g] = paged_blocks([kv_caches[name] for name in names], names,
+                                                     group_backend(backends, names), part.layout, part.block_size,
+                                                     host_memory=self.link.shared_memory)
 
     def load_all(self, loads: list[HybridLoad]) -> None:
         deadline = time.monotonic() + self.load_timeout_seconds
@@ -262,6 +265,8 @@ class HybridWorker:
                 logger.warning("kvtier: request %s: the load from kvtier failed (%s); vLLM recomputes the request",
                                op.req_id, f"past the {self.load_timeout_seconds:g} s deadline" if late else
                                "not available")
+        for blocks in self._group_blocks.values():  # read in a later step: the compute stream waits for them now
+            blocks.wait_loaded()
 
     def _load(self, op: HybridLoad, deadline: float) -> bool:
         """Copy every part's span of ``op`` into vLLM's blocks; True when all of it loaded."""

@@ -134,47 +134,6 @@ class LayerBlocks:
             t[block].copy_(src.transpose(0, 1))
 
 
-def gather_layer(kv_layer: torch.Tensor, block_ids, block_size: int, num_tokens: int,
-                 out: torch.Tensor | None = None, order: BlockOrder | None = None) -> torch.Tensor:
-    """KV of the first ``num_tokens`` tokens held in ``block_ids`` (in order), one layer.
-
-    Args:
-        kv_layer: vLLM paged tensor ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``.
-        block_ids: the blocks holding tokens ``0, block_size, 2*block_size, ...`` of the range.
-        num_tokens: tokens to copy (at most ``len(block_ids) * block_size``).
-        out: optional destination ``(2, num_tokens, num_kv_heads, head_dim)`` (written in place).
-        order: the blocks' element order (``engine_block_order``; None: ``[block_size, head_dim]`` parts).
-
-    Returns:
-        ``(2, num_tokens, num_kv_heads, head_dim)``, a copy (never a view of vLLM's memory).
-    """
-    nb = -(-num_tokens // block_size)
-    if nb > len(block_ids):
-        raise InputError(f"{num_tokens} tokens need {nb} blocks, only {len(block_ids)} given")
-    blocks = LayerBlocks(kv_layer, order)
-    if out is None:
-        out = torch.empty((2, num_tokens, blocks.heads, blocks.head_dim), dtype=kv_layer.dtype)
-    _gather(blocks, block_ids, out)
-    return out
-
-
-def scatter_layer(kv_layer: torch.Tensor, block_ids, block_size: int, src: torch.Tensor,
-                  order: BlockOrder | None = None) -> None:
-    """Write ``src`` ``(2, num_tokens, num_kv_heads, head_dim)`` into the blocks ``block_ids`` (in order), in
-    ``order`` (as ``gather_layer``).
-
-    ``num_tokens`` must be a whole number of blocks (vLLM only ever asks for block-aligned loads).
-    Mutates ``kv_layer``.
-    """
-    num_tokens = src.shape[1]
-    if num_tokens % block_size:
-        raise InputError(f"a load of {num_tokens} tokens is not a whole number of {block_size}-token blocks")
-    nb = num_tokens // block_size
-    if nb > len(block_ids):
-        raise InputError(f"{num_tokens} tokens need {nb} blocks, only {len(block_ids)} given")
-    _scatter(LayerBlocks(kv_layer, order), block_ids, src)
-
-
 def _gather(blocks: LayerBlocks, block_ids, dst: torch.Tensor) -> None:
     """``dst`` ``(2, n, heads, head_dim)`` <- the first n tokens of ``block_ids``."""
     bs, n = blocks.block_size, dst.shape[1]
@@ -242,36 +201,74 @@ def engine_block_order(dtype: torch.dtype, block_size: int, head_dim: int) -> Bl
     return BlockOrder(*(None if order.kind(p) == "tokens" else perms[p] for p in (0, 1)), block_size, head_dim)
 
 
-def block_views(kv_caches, order: BlockOrder | None = None) -> list[LayerBlocks]:
-    """Each layer's blocks (``LayerBlocks``: views, no copy) in order; ``order``: their element order
-    (``engine_block_order``; None: ``[block_size, head_dim]`` parts)."""
-    return [LayerBlocks(layer, order) for layer in kv_caches]
+def block_views(kv_caches, order: BlockOrder | None = None) -> "CPUBlocks":
+    """Each layer's blocks (views, no copy) in order; ``order``: their element order (``engine_block_order``; None:
+    ``[block_size, head_dim]`` parts)."""
+    return CPUBlocks([LayerBlocks(layer, order) for layer in kv_caches])
 
 
-def scatter_chunk(blocks: list[LayerBlocks], block_ids, chunk: torch.Tensor, first: int, last: int) -> None:
-    """Copy tokens ``[first, last)`` of one chunk ``(num_layers, 2, n, num_kv_heads, head_dim)`` into the
-    blocks ``block_ids`` (in order) of every layer; ``blocks`` from ``block_views``. ``first`` and ``last``
-    are block-aligned offsets into the chunk. One copy, straight from the chunk (e.g. a shared-memory slot)
-    into vLLM's memory. Mutates ``blocks``. Raises InputError on an unaligned range or too few blocks."""
-    block_size = blocks[0].block_size
-    if first % block_size or last % block_size or not 0 <= first <= last <= chunk.shape[2]:
-        raise InputError(f"tokens [{first}, {last}) of a {chunk.shape[2]}-token chunk are not whole "
+class CPUBlocks:
+    """Every layer's blocks of vLLM CPU's paged KV (``LayerBlocks``), read and written per chunk or per layer in
+    kvtier's canonical order. The connector's copies go through these methods, which
+    ``vllm_cuda_layouts.PagedKV`` has too; ``block_ids`` are vLLM's block ids (host ints), in token order."""
+
+    def __init__(self, layers: list[LayerBlocks]):
+        self.layers = layers
+        self.block_size = layers[0].block_size
+
+    def scatter_chunk(self, block_ids, chunk: torch.Tensor, first: int, last: int) -> None:
+        """Copy tokens ``[first, last)`` of one chunk ``(num_layers, 2, n, num_kv_heads, head_dim)`` into the blocks
+        ``block_ids`` of every layer; ``first`` and ``last`` are block-aligned offsets into the chunk. One copy,
+        straight from the chunk (e.g. a shared-memory slot) into vLLM's memory. Mutates the KV cache. Raises
+        InputError on an unaligned range or too few blocks."""
+        check_block_range(self.block_size, block_ids, chunk.shape[2], first, last)
+        for layer, dst in enumerate(self.layers):
+            _scatter(dst, block_ids, chunk[layer, :, first:last])
+
+    def gather_chunk(self, block_ids, out: torch.Tensor) -> None:
+        """Write the KV of ``out.shape[2]`` tokens held in ``block_ids`` of every layer into ``out``
+        ``(num_layers, 2, n, num_kv_heads, head_dim)`` (e.g. a shared-memory slot): one copy. Mutates ``out``.
+        Raises InputError when ``block_ids`` holds fewer than n tokens."""
+        check_blocks(self.block_size, block_ids, out.shape[2])
+        for layer, src in enumerate(self.layers):
+            _gather(src, block_ids, out[layer])
+
+    def wait_loaded(self) -> None:
+        """Nothing to wait for: the copies are done when the methods return (``PagedKV`` waits on CUDA)."""
+
+    def gather_layer(self, layer: int, block_ids, out: torch.Tensor) -> None:
+        """Layer ``layer``'s KV of ``out.shape[1]`` tokens held in ``block_ids`` into ``out``
+        ``(2, n, num_kv_heads, head_dim)``. Mutates ``out``."""
+        check_blocks(self.block_size, block_ids, out.shape[1])
+        _gather(self.layers[layer], block_ids, out)
+
+    def scatter_layer(self, layer: int, block_ids, src: torch.Tensor) -> None:
+        """Write ``src`` ``(2, n, num_kv_heads, head_dim)``, ``n`` a whole number of blocks, into layer ``layer``'s
+        blocks ``block_ids``. Mutates the KV cache."""
+        check_block_range(self.block_size, block_ids, src.shape[1], 0, src.shape[1])
+        _scatter(self.layers[layer], block_ids, src)
+
+
+def check_blocks(block_size: int, block_ids, num_tokens: int) -> None:
+    """Raise InputError unless ``block_ids`` (blocks of ``block_size`` tokens) hold ``num_tokens`` tokens."""
+    nb = -(-num_tokens // block_size)
+    if nb > len(block_ids):
+        raise InputError(f"{num_tokens} tokens need {nb} blocks, only {len(block_ids)} given")
+
+
+def check_block_range(block_size: int, block_ids, num_tokens: int, first: int, last: int) -> None:
+    """Raise InputError unless ``[first, last)`` of ``num_tokens`` is whole blocks and ``block_ids`` holds them."""
+    if first % block_size or last % block_size or not 0 <= first <= last <= num_tokens:
+        raise InputError(f"tokens [{first}, {last}) of a {num_tokens}-token chunk are not whole "
                          f"{block_size}-token blocks")
-    nb = (last - first) // block_size
-    if nb > len(block_ids):
-        raise InputError(f"{last - first} tokens need {nb} blocks, only {len(block_ids)} given")
-    for layer, dst in enumerate(blocks):
-        _scatter(dst, block_ids, chunk[layer, :, first:last])
+    check_blocks(block_size, block_ids, last - first)
 
 
-def gather_chunk(blocks: list[LayerBlocks], block_ids, out: torch.Tensor) -> None:
-    """Write the KV of ``out.shape[2]`` tokens held in ``block_ids`` (in order) of every layer into ``out``
-    ``(num_layers, 2, n, num_kv_heads, head_dim)`` (e.g. a shared-memory slot): one copy. ``blocks`` from
-    ``block_views``. Mutates ``out``. Raises InputError when ``block_ids`` holds fewer than n tokens."""
-    block_size = blocks[0].block_size
-    n = out.shape[2]
-    nb = -(-n // block_size)
-    if nb > len(block_ids):
-        raise InputError(f"{n} tokens need {nb} blocks, only {len(block_ids)} given")
-    for layer, src in enumerate(blocks):
-        _gather(src, block_ids, out[layer])
+def scatter_chunk(blocks, block_ids, chunk: torch.Tensor, first: int, last: int) -> None:
+    """``blocks.scatter_chunk``: ``blocks`` from ``block_views`` (vLLM CPU) or a ``vllm_cuda_layouts.PagedKV``."""
+    blocks.scatter_chunk(block_ids, chunk, first, last)
+
+
+def gather_chunk(blocks, block_ids, out: torch.Tensor) -> None:
+    """``blocks.gather_chunk``: ``blocks`` from ``block_views`` (vLLM CPU) or a ``vllm_cuda_layouts.PagedKV``."""
+    blocks.gather_chunk(block_ids, out)

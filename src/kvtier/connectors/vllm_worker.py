@@ -18,16 +18,8 @@ import time
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtier.connectors.vllm_layout import (
-    block_views,
-    check_paged_shape,
-    engine_block_order,
-    gather_chunk,
-    gather_layer,
-    layer_order,
-    scatter_chunk,
-    scatter_layer,
-)
+from kvtier.connectors.vllm_cuda_layouts import group_backend, paged_blocks
+from kvtier.connectors.vllm_layout import gather_chunk, layer_order, scatter_chunk
 from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, LoadOp, SaveOp
 from kvtier.errors import KVTierError
 from kvtier.tensors import as_torch
@@ -49,29 +41,26 @@ class WorkerSide:
         self.metrics, self.block_size = link.metrics, link.block_size
         self.layerwise, self.load_timeout_seconds = layerwise, load_timeout_seconds
         self._torch_dtype = getattr(torch, layout.dtype)
-        self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
-        self._blocks: list = []
-        self._order = None  # vLLM's element order inside a block (set when the caches are registered)
+        self._blocks = None  # vllm_layout.CPUBlocks or vllm_cuda_layouts.PagedKV (set when the caches are registered)
         self._layer_loads: list[tuple[torch.Tensor, LoadOp, int]] = []  # (tokens [start, ok_end), op, ok_end)
         self._layer_saves: list[tuple[torch.Tensor, SaveOp]] = []
         self._load_errors: set[int] = set()
         self._events: list = []  # vLLM kv_events of this side's stores, for the scheduler
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backends: dict[str, str]):
+        """vLLM's ``{layer name: KV cache}``; ``backends``: each layer's attention backend name
+        (``vllm_cuda_layouts.attention_backend_names``)."""
         if self.hybrid is not None:
-            self.hybrid.register(kv_caches)
+            self.hybrid.register(kv_caches, backends)
             return
         names = layer_order(kv_caches)
         if len(names) != self.layout.num_layers:
             raise KVTierError(f"vLLM registered {len(names)} KV cache layers, the model config says "
                               f"{self.layout.num_layers}; hybrid or cross-attention models are not supported")
-        for name in names:
-            check_paged_shape(kv_caches[name], self.layout, self.block_size, name)
-        self._kv_caches = {name: kv_caches[name] for name in names}
         self._layer_index = {name: i for i, name in enumerate(names)}
-        self._order = engine_block_order(self._torch_dtype, self.block_size, self.layout.head_dim)
-        self._blocks = block_views(self._kv_caches.values(), self._order)
+        self._blocks = paged_blocks([kv_caches[name] for name in names], names, group_backend(backends, names),
+                                    self.layout, self.block_size, host_memory=self.link.shared_memory)
 
     # ---- load ----------------------------------------------------------------------------------
     def start_load_kv(self, meta) -> None:
@@ -128,10 +117,10 @@ class WorkerSide:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         i = self._layer_index.get(layer_name)
-        if i is None:
-            return
-        for staged, op, ok_end in self._layer_loads:
-            scatter_layer(self._kv_caches[layer_name], op.block_ids, self.block_size, staged[i], self._order)
+        for staged, op, ok_end in self._layer_loads if i is not None else ():
+            self._blocks.scatter_layer(i, op.block_ids, staged[i])
+        if self._blocks is not None:  # CUDA: the compute stream waits (on the device) for this step's loads
+            self._blocks.wait_loaded()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -145,14 +134,16 @@ class WorkerSide:
         if i is None or not isinstance(meta, KVTierConnectorMetadata) or not meta.saves:
             return
         if not self._layer_saves:  # a renewal copies nothing unless a chunk went missing: from the blocks then
-            self._layer_saves = [(torch.empty(self.layout.chunk_shape(len(op.token_ids)), dtype=kv_layer.dtype), op)
+            self._layer_saves = [(torch.empty(self.layout.chunk_shape(len(op.token_ids)), dtype=self._torch_dtype), op)
                                  for op in meta.saves if not op.renew]
         for buf, op in self._layer_saves:
-            gather_layer(kv_layer, op.block_ids, self.block_size, len(op.token_ids), out=buf[i], order=self._order)
+            self._blocks.gather_layer(i, op.block_ids, buf[i])
 
     def wait_for_save(self, meta) -> None:
         """Store this step's ``meta.saves`` (vLLM's connector metadata for the step, or None)."""
         self._layer_loads = []
+        if self._blocks is not None:
+            self._blocks.wait_loaded()  # a step whose forward read no layer (its loads were not waited for yet)
         staged, self._layer_saves = self._layer_saves, []
         if isinstance(meta, KVTierConnectorMetadata) and meta.hybrid_saves:
             self.hybrid.save_all(meta.hybrid_saves)

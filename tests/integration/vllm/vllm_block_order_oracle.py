@@ -12,14 +12,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from kvtier.connectors.vllm_layout import (
-    block_views,
-    engine_block_order,
-    gather_chunk,
-    gather_layer,
-    scatter_chunk,
-    scatter_layer,
-)
+from kvtier.connectors.vllm_layout import block_views, engine_block_order, gather_chunk, scatter_chunk
 
 HEADS, NUM_BLOCKS = 2, 6
 
@@ -41,11 +34,12 @@ def case(dtype: torch.dtype, block_size: int, head_dim: int) -> dict:
         caches.append(cache)
     out = torch.empty_like(kv)
     gather_chunk(block_views(caches, order), ids, out)
-    layer_out = gather_layer(caches[1], ids, block_size, tokens - 5, order=order)
+    layer_out = torch.empty(2, tokens - 5, HEADS, head_dim, dtype=dtype)
+    block_views(caches, order).gather_layer(1, ids, layer_out)
     written = [torch.zeros_like(c) for c in caches]
     scatter_chunk(block_views(written, order), ids, kv, 0, tokens)
     layerwise = torch.zeros_like(caches[0])
-    scatter_layer(layerwise, ids, block_size, kv[0], order=order)
+    block_views([layerwise], order).scatter_layer(0, ids, kv[0])
     return {"dtype": str(dtype), "block_size": block_size, "head_dim": head_dim, "isa": isa,
             "kinds": [order.kind(0), order.kind(1)],
             "gather_chunk": torch.equal(out, kv), "gather_layer": torch.equal(layer_out, kv[1, :, :tokens - 5]),
