@@ -22,12 +22,12 @@ Rules of the feed (why; the mirror's own forwarding rules are in ``kvtier.connec
   caught up from seq 0 when it answers.
 
 The mirror: ``kvtier.connectors.block_mirror``; publishing through the engine's own
-publisher: ``kvtier.connectors.engine_flush``.
+publisher: ``kvtier.connectors.engine_publish``.
 
 Timing: vLLM publishes connector events only when a step produces output (``Scheduler.update_from_output``),
-so an idle engine would hold them until its next request. With ``flush`` (``EngineFlush``: the engine's own
+so an idle engine would hold them until its next request. With ``publish`` (``EnginePublish``: the engine's own
 publisher, found in the scheduler that owns the connector once it is built) events the engine has not taken
-within ``idle_flush_seconds`` are published directly in the same stream, except while a ``reannounce()`` waits
+within ``idle_publish_seconds`` are published directly in the same stream, except while a ``reannounce()`` waits
 for the engine's ``AllBlocksCleared`` (it must follow the clear).
 
 A new worker's router must know the server's chunks before the worker's first request, but a ZMQ PUB drops
@@ -84,7 +84,7 @@ class ServerFeed:
         secret_file: the server's secret file, for a replay port that requires authentication; read once it
             exists (a server started after the feed creates it).
         replay_timeout_seconds: longest wait for one replay answer.
-        flush: ``flush(events) -> bool`` publishes events the engine has not taken within ``idle_flush_seconds``
+        publish: ``publish(events) -> bool`` publishes events the engine has not taken within ``idle_publish_seconds``
             (False: it cannot, the events stay queued for the engine); None: only the engine publishes.
 
     ``take_events()`` is called from vLLM's scheduler thread; ``close()`` stops the thread.
@@ -92,12 +92,12 @@ class ServerFeed:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, block_size: int, *,
                  engine_endpoint: str | None = None, secret_file: str | None = None,
-                 replay_timeout_seconds: float = 2.0, flush=None, idle_flush_seconds: float = 0.5) -> None:
+                 replay_timeout_seconds: float = 2.0, publish=None, idle_publish_seconds: float = 0.5) -> None:
         self.mirror = BlockMirror(block_size)
         self._lock = threading.Lock()
         self._pending: list[Event] = []
         self._pending_since = 0.0  # monotonic time the oldest queued event was queued
-        self._flush, self._idle_flush_seconds = flush, idle_flush_seconds
+        self._publish, self._idle_publish_seconds = publish, idle_publish_seconds
         self._engine_took = False  # the engine drained take_events() at least once (its stream has listeners)
         self._engine_up = False  # the engine's publisher exists (engine_started): resync until its first step
         self._resynced = False  # a resync was published before the engine's first step
@@ -105,7 +105,7 @@ class ServerFeed:
         self._expect_engine_clear = 0  # clears already answered by reannounce(); the watcher skips them
         self._stop = threading.Event()
         self.stats = {"server_batches": 0, "restarts": 0, "reannounced": 0, "engine_batches": 0, "engine_clears": 0,
-                      "idle_flushes": 0, "resyncs": 0}
+                      "idle_publishes": 0, "resyncs": 0}
         self._secret_file = secret_file if secret_file and not os.path.exists(secret_file) else None
         self._sub = Subscriber(endpoint, replay_endpoint, start_seq=0 if replay_endpoint else None,
                                replay_timeout_seconds=replay_timeout_seconds,
@@ -137,7 +137,7 @@ class ServerFeed:
                     self.stats["engine_batches"] += 1
                     if any(isinstance(ev, AllBlocksCleared) for ev in batch[1].events):
                         self._on_engine_clear()
-                self._idle_flush()
+                self._idle_publish()
             except Exception:  # noqa: BLE001 - the feed must never take the engine down
                 if self._stop.is_set():
                     return
@@ -157,14 +157,14 @@ class ServerFeed:
             self._pending_since = time.monotonic()
         self._pending += events
 
-    def _idle_flush(self) -> None:
-        if self._flush is None:
+    def _idle_publish(self) -> None:
+        if self._publish is None:
             return
         with self._lock:
             if self._expect_engine_clear:
                 return
             now = time.monotonic()
-            idle = bool(self._pending) and now - self._pending_since >= self._idle_flush_seconds
+            idle = bool(self._pending) and now - self._pending_since >= self._idle_publish_seconds
             if not self._engine_took and self._engine_up and now >= self._next_resync:
                 events, resync = self._resync(), True
                 self._next_resync = now + self._resync_gap
@@ -174,13 +174,13 @@ class ServerFeed:
                 self._pending = []
             else:  # before the first resync, nobody has the state the pending events change
                 return
-            if self._flush(events):
+            if self._publish(events):
                 if resync:
                     self._resynced = True
                 else:
-                    self.stats["idle_flushes"] += 1
+                    self.stats["idle_publishes"] += 1
             else:  # the engine publishes them at its next step
-                self._pending, self._flush = events, None
+                self._pending, self._publish = events, None
 
     def _resync(self) -> list[Event]:  # with self._lock held
         events, self._pending = self._pending + self.mirror.resync(), []
@@ -188,7 +188,7 @@ class ServerFeed:
         return events
 
     def engine_started(self) -> None:
-        """The engine's publisher exists (the ``flush`` can publish): resync the router until the first step."""
+        """The engine's publisher exists (``publish`` can reach it): resync the router until the first step."""
         with self._lock:
             self._engine_up = True
 
@@ -232,13 +232,13 @@ class ServerFeed:
 
 
 def open_feed(vllm_config, block_size: int, *, endpoint: str | None, replay_endpoint: str | None = None,
-              server_url: str = "", secret_file: str | None = None, flush=None) -> ServerFeed | None:
+              server_url: str = "", secret_file: str | None = None, publish=None) -> ServerFeed | None:
     """The scheduler-side feed of a connector configured with ``kvtier.server_events`` (``endpoint``; None: no feed).
 
     ``vllm_config``: the engine's config (its ``kv_events_config`` names the stream to watch for the engine's own
     clears); ``replay_endpoint``: ``kvtier.server_events_replay``; ``server_url`` / ``secret_file``: the
     connector's server and ``kvtier.auth_secret_file`` (the replay port wants the server's secret);
-    ``flush``: see ``ServerFeed``.
+    ``publish``: see ``ServerFeed``.
     """
     if not endpoint:
         return None
@@ -251,4 +251,4 @@ def open_feed(vllm_config, block_size: int, *, endpoint: str | None, replay_endp
     # the replay port of a server with authentication wants the same secret as its requests port
     secret, _ = secret_file_for(server_url or "", secret_file)
     return ServerFeed(endpoint, replay_endpoint, block_size, engine_endpoint=engine,
-                      secret_file=str(secret) if secret is not None else None, flush=flush)
+                      secret_file=str(secret) if secret is not None else None, publish=publish)

@@ -24,55 +24,30 @@ from __future__ import annotations
 
 import logging
 
-from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
-from kvtier.connectors.vllm_backends import Backends
+from kvtier.connectors.vllm_link import KVTierLink
 from kvtier.connectors.vllm_config import connector_config, layout_of
 from kvtier.connectors.vllm_cuda_layouts import attention_backend_names
 from kvtier.connectors.vllm_groups import KVGroups
 from kvtier.connectors.vllm_hybrid import HybridScheduler, HybridWorker
 from kvtier.connectors.vllm_identity import VLLMIdentity
 from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, LoadOp, SaveOp, SchedulerSide  # noqa: F401
-from kvtier.connectors.vllm_worker import WorkerSide, to_vllm_events
+from kvtier.connectors.vllm_events import KVTierEvents, to_vllm_events
+from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.metrics import Metrics
 
 # a child of vLLM's "vllm" logger, so these lines appear in vLLM's own log with its format and level
 logger = logging.getLogger("vllm.kvtier_connector")
 
 
-class KVTierEvents(KVConnectorKVEvents):
-    """Events the workers hand to the scheduler (one worker per engine on vLLM CPU: no de-duplication)."""
-
-    def __init__(self, events=None, num_workers: int = 1):
-        self._events, self._workers = list(events or []), num_workers
-
-    def add_events(self, events):
-        self._events.extend(events)
-
-    def aggregate(self):
-        return self
-
-    def increment_workers(self, count: int = 1):
-        self._workers += count
-
-    def get_all_events(self):
-        return list(self._events)
-
-    def get_number_of_workers(self):
-        return self._workers
-
-    def clear_events(self):
-        self._events.clear()
-
-
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 KV connector backed by kvtier. See the module docstring for the configuration.
 
-    Its parts: ``backends`` (the link to kvtier: backends, sizes, the guard of every call), ``scheduler`` (lookups
-    and the load and save plan), ``worker`` (the copies into and out of vLLM's blocks), each with a hybrid part for
-    a model with several KV cache groups, and ``feed`` (the server's chunks as this engine's KV events). vLLM's
-    methods below delegate to them.
+    Its parts: ``link`` (the link to kvtier: its backends, the sizes, the guard of every call), ``scheduler`` (lookups
+    and the load and save plan), ``worker`` (the copies into and out of vLLM's blocks), each the hybrid alternative
+    for a model with several KV cache groups (``vllm_hybrid``), and ``feed`` (the server's chunks as this engine's
+    KV events). vLLM's methods below delegate to them.
     """
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -87,18 +62,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         groups = KVGroups.from_vllm(kv_cache_config, layout) if len(
             getattr(kv_cache_config, "kv_cache_groups", None) or []) > 1 else None
         can_load, can_store = tc.kv_role in ("kv_both", "kv_consumer"), tc.kv_role in ("kv_both", "kv_producer")
-        layerwise = settings.use_layerwise and groups is None
-        self.backends = Backends(self.config, self.identity.model_id, self.identity.hash_settings(),
+        self.link = KVTierLink(self.config, self.identity.model_id, self.identity.hash_settings(),
                                  [part.layout for part in groups.parts] if groups else [layout], groups,
                                  vllm_config.cache_config.block_size, self.metrics,
                                  prefault=role == KVConnectorRole.WORKER)  # only the worker copies KV
-        self.scheduler = SchedulerSide(self.backends, self.identity, can_load=can_load, can_store=can_store,
-                                       store_after_seen=settings.store_after_seen,
-                                       hybrid=HybridScheduler(self.backends, groups, can_store=can_store) if groups else None)
-        self.worker = WorkerSide(self.backends, layout, layerwise=layerwise,
-                                 load_timeout_seconds=settings.load_timeout_seconds,
-                                 hybrid=HybridWorker(self.backends, groups, layout, settings.load_timeout_seconds)
-                                 if groups else None)
+        sides = dict(can_load=can_load, can_store=can_store, store_after_seen=settings.store_after_seen)
+        if groups is None:  # one KV cache group, or several (vLLM's hybrid KV cache manager): chosen once, here
+            self.scheduler = SchedulerSide(self.link, self.identity, **sides)
+            self.worker = WorkerSide(self.link, layout, layerwise=settings.use_layerwise,
+                                     load_timeout_seconds=settings.load_timeout_seconds)
+        else:
+            self.scheduler = HybridScheduler(self.link, self.identity, groups, **sides)
+            self.worker = HybridWorker(self.link, layout, groups, load_timeout_seconds=settings.load_timeout_seconds)
         self.feed = self._open_feed(vllm_config, role)
         self._events: KVTierEvents | None = None  # the workers' events, for the scheduler's next take_events
         self._log_start(role, tc, groups, settings.use_layerwise)
@@ -106,15 +81,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def _open_feed(self, vllm_config, role: KVConnectorRole):
         """The kvtier server's chunks as this engine's KV events (scheduler side, with a server), or None."""
         settings = self.config.connector
-        if role != KVConnectorRole.SCHEDULER or self.backends.in_process:
+        if role != KVConnectorRole.SCHEDULER or self.link.in_process:
             return None
-        from kvtier.connectors.engine_flush import EngineFlush
+        from kvtier.connectors.engine_publish import EnginePublish
         from kvtier.connectors.server_feed import open_feed
 
-        self._engine_flush = EngineFlush(self, to_vllm_events)
-        return open_feed(vllm_config, self.backends.block_size, endpoint=settings.server_events,
+        self._engine_publish = EnginePublish(self, to_vllm_events)
+        return open_feed(vllm_config, self.link.block_size, endpoint=settings.server_events,
                          replay_endpoint=settings.server_events_replay, server_url=settings.server_url,
-                         secret_file=settings.auth_secret_file, flush=self._engine_flush)
+                         secret_file=settings.auth_secret_file, publish=self._engine_publish)
 
     def _log_start(self, role: KVConnectorRole, tc, groups, use_layerwise: bool) -> None:
         if groups and use_layerwise:
@@ -124,9 +99,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvtier: kv_load_failure_policy is %r: a kvtier load that fails (server gone, L2 error, "
                            "deadline) fails the request; set \"kv_load_failure_policy\": \"recompute\" so vLLM "
                            "recomputes those blocks instead", tc.kv_load_failure_policy)
-        backend = self.backends.backend
+        backend = self.link.backend
         logger.info("kvtier connector: role=%s side=%s chunk_size=%d block_size=%d layerwise=%s backend=%s%s",
-                    tc.kv_role, role.name, self.backends.chunk_size, self.backends.block_size, self.worker.layerwise,
+                    tc.kv_role, role.name, self.link.chunk_size, self.link.block_size, self.worker.layerwise,
                     type(backend).__name__ if backend else "none (serving without kvtier)",
                     "" if not groups else " parts=" + "; ".join(
                         f"{p.kind}{'/' + str(p.window) if p.window else ''} groups {list(p.group_ids)}"
@@ -171,7 +146,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         # vLLM calls this once its scheduler has built its KV event publisher: from now on the server's chunks can
         # be announced before the engine's first step
-        if self.feed is not None and self._engine_flush.bind():
+        if self.feed is not None and self._engine_publish.bind():
             self.feed.engine_started()
 
     def reset_cache(self) -> None:
@@ -192,7 +167,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        if self.worker.layerwise and self.backends.backend is not None:  # else no metadata is needed
+        if self.worker.layerwise and self.link.backend is not None:  # else no metadata is needed
             self.worker.save_kv_layer(self._get_connector_metadata(), layer_name, kv_layer)
 
     def wait_for_save(self):
@@ -231,4 +206,4 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self.feed is not None:
             self.feed.close()
-        self.backends.close()
+        self.link.close()

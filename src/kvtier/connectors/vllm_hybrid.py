@@ -15,8 +15,9 @@ Loads are asynchronous for vLLM (``get_num_new_matched_tokens`` answers ``(n, Tr
 block-level load errors with more than one group (``Scheduler._handle_invalid_blocks`` raises), so a load that
 fails is reported as a failed receive (``get_transfer_results``) and vLLM recomputes the request. The worker
 copies the KV in the step that carries the load and reports it finished in that same step. ``use_layerwise`` does
-not apply (the copy happens outside the forward pass). ``HybridScheduler`` is a part of the connector's
-``SchedulerSide`` and ``HybridWorker`` of its ``WorkerSide``, present only when the model has several groups.
+not apply (the copy happens outside the forward pass). ``HybridScheduler`` and ``HybridWorker`` are the
+alternatives to the plain ``SchedulerSide`` and ``WorkerSide`` (their subclasses: the same vLLM-facing methods),
+picked once by the connector's constructor when the model has several groups.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtier.connectors.vllm_cuda_layouts import group_backend, paged_blocks
 from kvtier.connectors.vllm_layout import gather_chunk, scatter_chunk
-from kvtier.connectors.vllm_scheduler import scheduled_again
+from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, SchedulerSide, scheduled_again
+from kvtier.connectors.vllm_worker import WorkerSide
 from kvtier.errors import InputError
 from kvtier.hints import RetentionHint
 from kvtier.tensors import as_torch
@@ -83,26 +84,27 @@ class _HybridTrack:
     hint: RetentionHint | None = None
 
 
-class HybridScheduler:
-    """The load and save plan of a model with several KV cache groups (the ``SchedulerSide``'s part).
+class HybridScheduler(SchedulerSide):
+    """The load and save plan of a model with several KV cache groups (module docstring).
 
-    ``link``: the side's ``Backends`` (one backend per part of ``groups``, the model's ``KVGroups``);
-    ``can_store``: the connector's role stores.
+    ``link``: the side's ``KVTierLink`` (one backend per part of ``groups``, the model's ``KVGroups``); the
+    other arguments are ``SchedulerSide``'s.
     """
 
-    def __init__(self, link, groups, *, can_store: bool):
-        self.link, self.groups, self.can_store = link, groups, can_store
-        self.chunk_size = link.chunk_size
-        self._hybrid_loads: list[HybridLoad] = []
-        self._hybrid_tracks: dict[str, _HybridTrack] = {}
+    reuses_lookups = False  # loads are asynchronous: a request is asked about anew once its load is done
+
+    def __init__(self, link, identity, groups, *, can_load: bool, can_store: bool, store_after_seen: int):
+        super().__init__(link, identity, can_load=can_load, can_store=can_store, store_after_seen=store_after_seen)
+        self.groups = groups
+        self._pending: list[HybridLoad] = []  # planned after the allocation, handed to the next step's metadata
         self._load_failed: set[str] = set()  # requests whose load failed: recomputed, never offered again
 
-    def failed(self, req_ids) -> None:
+    def loads_failed(self, req_ids) -> None:
         """The worker's failed receives (``update_connector_output``): vLLM recomputes these requests from
         scratch and asks the connector again; kvtier must then answer 0, or the request loops on the same failure."""
         self._load_failed.update(req_ids or ())
 
-    def _hybrid_load_end(self, tokens: list[int], num_computed: int, limit: int, kw: dict) -> tuple[int, int]:
+    def _load_end(self, tokens: list[int], num_computed: int, limit: int, kw: dict) -> tuple[int, int]:
         """``(end, l1_end)``: where a load from kvtier ends (every part holds what it needs up to there; block
         aligned; ``end <= num_computed``: nothing to load) and where the full-attention part's L1 run ends."""
         bs, c = self.groups.block_size, self.chunk_size
@@ -127,16 +129,15 @@ class HybridScheduler:
                 break
         return end, l1_end
 
-    def matched(self, request, look) -> tuple[int, bool]:
-        """``get_num_new_matched_tokens`` for ``look`` (a new ``_Lookup``, completed here): ``(tokens, True)``."""
+    def _match(self, request, look, tokens: list[int]) -> tuple[int, bool]:
+        """Ask every part about ``tokens`` and complete ``look`` (a new ``_Lookup``): ``(tokens, True)``."""
         if request.request_id in self._load_failed:
             return 0, False
-        tokens = list(request.prompt_token_ids or [])
         limit = len(tokens) - 1
         if look.controls.max_load_tokens is not None:
             limit = min(limit, look.controls.max_load_tokens)
         kw = self.link.ns_kw(look.namespace, look.extra_keys, len(tokens))
-        end, l1_end = self._hybrid_load_end(tokens, look.num_computed, limit, kw)
+        end, l1_end = self._load_end(tokens, look.num_computed, limit, kw)
         if end <= look.num_computed:
             return 0, False
         look.end = look.hit = end
@@ -146,8 +147,12 @@ class HybridScheduler:
                     end - look.num_computed)
         return end - look.num_computed, True
 
-    def after_alloc(self, request, blocks, look, num_external: int) -> None:
-        start, end = look.end - num_external, look.end
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        look = self._lookups.get(request.request_id)
+        if look is None or num_external_tokens <= 0:
+            return
+        start, end = look.end - num_external_tokens, look.end
         tables = blocks.get_block_ids()
         tokens = list(request.prompt_token_ids or [])
         parts: list[PartLoad] | None = []
@@ -160,18 +165,18 @@ class HybridScheduler:
             logger.warning("kvtier: request %s: %s; its load is reported failed", request.request_id, exc)
             parts = None
         end_chunk = min(len(tokens), -(-end // self.chunk_size) * self.chunk_size)
-        self._hybrid_loads.append(HybridLoad(request.request_id, tokens[:end_chunk], look.namespace,
-                                             look.extra_keys, parts))
+        self._pending.append(HybridLoad(request.request_id, tokens[:end_chunk], look.namespace, look.extra_keys,
+                                        parts))
 
-    def build_meta(self, scheduler_output, meta, lookups: dict, loads: dict) -> None:
-        """Fill ``meta``'s hybrid loads and saves for this step; pops the scheduled requests from the
-        ``SchedulerSide``'s ``lookups`` and ``loads`` (req_id -> ``_Lookup``, planned load)."""
-        self._hybrid_loads, meta.hybrid_loads = [], self._hybrid_loads
-        for load in meta.hybrid_loads:
-            loads.pop(load.req_id, None)  # only for the hit sources, asked right after the allocation
+    def build_connector_meta(self, scheduler_output) -> KVTierConnectorMetadata:
+        """This step's ``HybridLoad``s and ``HybridSave``s; pops the scheduled requests' lookups and planned loads."""
+        meta = KVTierConnectorMetadata(loads=self._pending)
+        self._pending = []
+        for load in meta.loads:
+            self._loads.pop(load.req_id, None)  # only for the hit sources, asked right after the allocation
         for new in scheduler_output.scheduled_new_reqs:
-            look = lookups.pop(new.req_id, None)
-            loads.pop(new.req_id, None)
+            look = self._lookups.pop(new.req_id, None)
+            self._loads.pop(new.req_id, None)
             tokens = list(new.prompt_token_ids or [])
             limit = len(tokens)
             ns, extra, loaded, hint = "", None, 0, None
@@ -185,14 +190,16 @@ class HybridScheduler:
             track = _HybridTrack(tokens, ns, extra, [list(t) for t in new.block_ids],
                                  [done] * len(self.groups.parts), limit, hint=hint)
             track.keep_from = self._keep_from(track)
-            self._hybrid_tracks[new.req_id] = track
-            self._hybrid_plan_save(meta, new.req_id, new.num_computed_tokens,
-                                   new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
-        tables = {req_id: track.tables for req_id, track in self._hybrid_tracks.items()}
+            self._tracks[new.req_id] = track
+            self._plan_part_saves(meta, new.req_id, new.num_computed_tokens,
+                                  new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        tables = {req_id: track.tables for req_id, track in self._tracks.items()}
         for req_id, before, after in scheduled_again(scheduler_output, tables):
-            self._hybrid_plan_save(meta, req_id, before, after)
+            self._plan_part_saves(meta, req_id, before, after)
         for req_id in scheduler_output.finished_req_ids:
-            self._hybrid_tracks.pop(req_id, None)
+            self._tracks.pop(req_id, None)
+        self.link.report_costs()
+        return meta
 
     def _keep_from(self, track: _HybridTrack) -> list[int]:
         """Per part, the first chunk worth storing: 0 for full attention; for a sliding window, the chunk holding
@@ -203,8 +210,9 @@ class HybridScheduler:
         load_end = min(last, (len(track.token_ids) - 1) // bs * bs)
         return [part.load_span(0, load_end)[0] // c * c for part in self.groups.parts]
 
-    def _hybrid_plan_save(self, meta, req_id: str, before: int, after: int) -> None:
-        track = self._hybrid_tracks[req_id]
+    def _plan_part_saves(self, meta, req_id: str, before: int, after: int) -> None:
+        """Plan each part's store of what vLLM computed from ``before`` to ``after`` (``HybridSave``)."""
+        track = self._tracks[req_id]
         c = self.chunk_size
         last = min(len(track.token_ids), track.store_limit) // c * c
         if self.can_store and self.link.backend is not None:
@@ -215,35 +223,33 @@ class HybridScheduler:
                 if hi <= lo:
                     continue
                 nb = -(-hi // part.block_size)
-                meta.hybrid_saves.append(HybridSave(req_id, i, track.token_ids[:hi], track.namespace,
+                meta.saves.append(HybridSave(req_id, i, track.token_ids[:hi], track.namespace,
                                                     track.extra_keys, lo,
                                                     [list(track.tables[g][:nb]) for g in part.group_ids], track.hint))
                 track.stored_upto[i] = hi
         if not self.can_store or all(s >= last for s in track.stored_upto):
-            self._hybrid_tracks.pop(req_id, None)
+            self._tracks.pop(req_id, None)
 
-    def forget(self, req_id: str) -> None:
-        """The request finished: drop its track and its failed load."""
-        self._hybrid_tracks.pop(req_id, None)
-        self._load_failed.discard(req_id)
+    def request_finished(self, request, block_ids):
+        self._load_failed.discard(request.request_id)
+        return super().request_finished(request, block_ids)
 
 
-class HybridWorker:
-    """The loads and saves of a model with several KV cache groups (the ``WorkerSide``'s part).
+class HybridWorker(WorkerSide):
+    """The loads and saves of a model with several KV cache groups (module docstring).
 
-    ``link``: the side's ``Backends``; ``groups``: the model's ``KVGroups``; ``layout``: its ``KVLayout`` (the
-    dtype of the blocks); ``load_timeout_seconds``: one step's deadline for its loads.
+    ``link``: the side's ``KVTierLink``; ``layout``: the model's ``KVLayout`` (the dtype of the blocks);
+    ``groups``: its ``KVGroups``; ``load_timeout_seconds``: one step's deadline for its loads.
     """
 
-    def __init__(self, link, groups, layout, load_timeout_seconds: float):
-        self.link, self.groups, self.load_timeout_seconds = link, groups, load_timeout_seconds
-        self.metrics, self.chunk_size = link.metrics, link.chunk_size
-        self._torch_dtype = getattr(torch, layout.dtype)
+    def __init__(self, link, layout, groups, *, load_timeout_seconds: float):
+        super().__init__(link, layout, layerwise=False, load_timeout_seconds=load_timeout_seconds)
+        self.groups, self.chunk_size = groups, link.chunk_size
         self._group_blocks: dict[int, list] = {}
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
 
-    def register(self, kv_caches, backends: dict[str, str]) -> None:
+    def register_kv_caches(self, kv_caches, backends: dict[str, str]) -> None:
         """vLLM's ``{layer name: KV cache}``; ``backends``: each layer's attention backend name."""
         self.groups.check_kv_caches(kv_caches)
         for part in self.groups.parts:
@@ -252,7 +258,7 @@ class HybridWorker:
                                                      group_backend(backends, names), part.layout, part.block_size,
                                                      host_memory=self.link.shared_memory)
 
-    def load_all(self, loads: list[HybridLoad]) -> None:
+    def _load_all(self, loads: list[HybridLoad]) -> None:
         deadline = time.monotonic() + self.load_timeout_seconds
         for op in loads:
             ok = op.parts is not None and self.link.call("retrieve", self._load, op, deadline, default=False)
@@ -293,7 +299,7 @@ class HybridWorker:
                 return False
         return True
 
-    def save_all(self, saves: list[HybridSave]) -> None:
+    def _save_all(self, saves: list[HybridSave], staged: list) -> None:
         for op in saves:
             backend = self.link.backends[op.part]
             if backend is not None:

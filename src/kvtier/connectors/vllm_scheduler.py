@@ -65,10 +65,11 @@ class SaveOp:
 
 @dataclass
 class KVTierConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadOp] = field(default_factory=list)
-    saves: list[SaveOp] = field(default_factory=list)
-    hybrid_loads: list = field(default_factory=list)  # vllm_hybrid.HybridLoad (models with several KV cache groups)
-    hybrid_saves: list = field(default_factory=list)  # vllm_hybrid.HybridSave
+    """One step's plan: ``LoadOp`` / ``SaveOp``, or for a model with several KV cache groups ``vllm_hybrid``'s
+    ``HybridLoad`` / ``HybridSave`` (the scheduler and the worker of one connector are of the same kind)."""
+
+    loads: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
 
 
 @dataclass
@@ -122,16 +123,19 @@ def scheduled_again(scheduler_output, tables: dict[str, list[list[int]]]):
 
 
 class SchedulerSide:
-    """The scheduler side of ``KVTierConnector``: owns the requests' lookups, planned loads and save tracks.
+    """The scheduler side of ``KVTierConnector`` for a model with one KV cache group: owns the requests' lookups,
+    planned loads and save tracks. ``vllm_hybrid.HybridScheduler`` is the alternative for several groups, with the
+    same vLLM-facing methods; the connector's constructor picks one.
 
-    ``link``: the side's ``Backends``; ``identity``: the ``VLLMIdentity`` naming a request's namespace and extra
+    ``link``: the side's ``KVTierLink``; ``identity``: the ``VLLMIdentity`` naming a request's namespace and extra
     keys; ``can_load`` / ``can_store``: the connector's role allows them; ``store_after_seen``: the
-    ``connector.store_after_seen`` setting; ``hybrid``: the ``vllm_hybrid.HybridScheduler`` of a model with several
-    KV cache groups (None: one group), which then plans every load and save.
+    ``connector.store_after_seen`` setting.
     """
 
-    def __init__(self, link, identity, *, can_load: bool, can_store: bool, store_after_seen: int, hybrid=None):
-        self.link, self.identity, self.hybrid = link, identity, hybrid
+    reuses_lookups = True  # a retry while the request waits for blocks gets the first lookup's answer
+
+    def __init__(self, link, identity, *, can_load: bool, can_store: bool, store_after_seen: int):
+        self.link, self.identity = link, identity
         self.metrics, self.chunk_size, self.block_size = link.metrics, link.chunk_size, link.block_size
         self.can_load, self.can_store = can_load, can_store
         self._lookups: dict[str, _Lookup] = {}
@@ -151,7 +155,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         tokens = request.prompt_token_ids or []
         look = self._lookups.get(request.request_id)
-        if look is not None and look.num_prompt == len(tokens) and self.hybrid is None:  # hybrid: async, asked anew
+        if look is not None and look.num_prompt == len(tokens) and self.reuses_lookups:
             # a retry while the request waits for blocks: kvtier was asked moments ago, and a chunk evicted
             # since is a failed load that vLLM recomputes (kv_load_failure_policy "recompute")
             look.num_computed = num_computed_tokens
@@ -163,18 +167,20 @@ class SchedulerSide:
         self._lookups[request.request_id] = look
         if self._store_after_seen > 1:
             look.seen_upto = self._count_sighting(request, ns, len(tokens))
-        backend = self.link.backend
-        if not self.can_load or backend is None or controls.max_load_tokens == 0:
+        if not self.can_load or self.link.backend is None or controls.max_load_tokens == 0:
             return 0, False
-        if self.hybrid is not None:
-            return self.hybrid.matched(request, look)
-        tokens = list(tokens)
+        return self._match(request, look, list(tokens))
+
+    def _match(self, request, look: _Lookup, tokens: list[int]) -> tuple[int, bool]:
+        """Ask kvtier about ``tokens`` and complete ``look``: ``(tokens to load, load asynchronously)``."""
+        backend, ns, extra, num_computed_tokens = self.link.backend, look.namespace, look.extra_keys, look.num_computed
         started = time.perf_counter()
         hits = self.link.call("lookup", backend.lookup_tiers, tokens, default=(0, 0),
                               **self.link.ns_kw(ns, extra, len(tokens)))
         self.metrics.inc("kvtier_connector_lookup_seconds_total", time.perf_counter() - started)
         self.metrics.inc("kvtier_connector_lookups_total", reused="false")
         look.hit, look.l1_hit = hits[0] // self.chunk_size * self.chunk_size, min(hits[1], hits[0])
+        controls = look.controls
         limit = (len(tokens) - 1) if controls.max_load_tokens is None else min(len(tokens) - 1, controls.max_load_tokens)
         look.end = min(look.hit, limit // self.block_size * self.block_size)
         if look.hit > look.l1_hit and look.end > num_computed_tokens and not self.link.in_process:
@@ -212,8 +218,6 @@ class SchedulerSide:
         look = self._lookups.get(request.request_id)
         if look is not None and num_external_tokens > 0:
             self._loads[request.request_id] = (look.end - num_external_tokens, look.end, look.l1_hit)
-            if self.hybrid is not None:
-                self.hybrid.after_alloc(request, blocks, look, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         """Tokens ``[start, end)`` being loaded, split: those inside kvtier's L1 hit are HOST, the rest DISK."""
@@ -226,10 +230,6 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVTierConnectorMetadata()
-        if self.hybrid is not None:
-            self.hybrid.build_meta(scheduler_output, meta, self._lookups, self._loads)
-            self.link.report_costs()
-            return meta
         bs = self.block_size
         for new in scheduler_output.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids or [])
@@ -278,8 +278,6 @@ class SchedulerSide:
 
     def request_finished(self, request, block_ids):
         self._tracks.pop(request.request_id, None)
-        if self.hybrid is not None:
-            self.hybrid.forget(request.request_id)
         self._lookups.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         return False, None  # saves are synchronous: the blocks may be freed at once
@@ -289,9 +287,8 @@ class SchedulerSide:
         return self.request_finished(request, block_ids)
 
     def loads_failed(self, req_ids) -> None:
-        """The worker's failed receives (``update_connector_output``; only a hybrid model reports any)."""
-        if self.hybrid is not None:
-            self.hybrid.failed(req_ids)
+        """The worker's failed receives (``update_connector_output``): none with one group (its loads are
+        synchronous; a failed block is recomputed by vLLM)."""
 
     def reset_cache(self) -> None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvtier keeps its data (it is shared with other

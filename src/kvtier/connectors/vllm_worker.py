@@ -19,6 +19,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtier.connectors.vllm_cuda_layouts import group_backend, paged_blocks
+from kvtier.connectors.vllm_events import to_vllm_events
 from kvtier.connectors.vllm_layout import gather_chunk, layer_order, scatter_chunk
 from kvtier.connectors.vllm_scheduler import KVTierConnectorMetadata, LoadOp, SaveOp
 from kvtier.errors import KVTierError
@@ -28,16 +29,16 @@ logger = logging.getLogger("vllm.kvtier_connector")
 
 
 class WorkerSide:
-    """The worker side of ``KVTierConnector``: owns vLLM's registered KV caches and this step's staged loads,
-    saves, load errors and events.
+    """The worker side of ``KVTierConnector`` for a model with one KV cache group: owns vLLM's registered KV caches
+    and this step's staged loads, saves, load errors and events. ``vllm_hybrid.HybridWorker`` is the alternative
+    for several groups, with the same vLLM-facing methods; the connector's constructor picks one.
 
-    ``link``: the side's ``Backends``; ``layout``: the model's ``KVLayout``; ``layerwise``: ``use_layerwise``;
-    ``load_timeout_seconds``: one step's deadline for its loads; ``hybrid``: the ``vllm_hybrid.HybridWorker`` of a
-    model with several KV cache groups (None: one group), which then registers, loads and saves.
+    ``link``: the side's ``KVTierLink``; ``layout``: the model's ``KVLayout``; ``layerwise``: ``use_layerwise``;
+    ``load_timeout_seconds``: one step's deadline for its loads.
     """
 
-    def __init__(self, link, layout, *, layerwise: bool, load_timeout_seconds: float, hybrid=None):
-        self.link, self.layout, self.hybrid = link, layout, hybrid
+    def __init__(self, link, layout, *, layerwise: bool, load_timeout_seconds: float):
+        self.link, self.layout = link, layout
         self.metrics, self.block_size = link.metrics, link.block_size
         self.layerwise, self.load_timeout_seconds = layerwise, load_timeout_seconds
         self._torch_dtype = getattr(torch, layout.dtype)
@@ -51,9 +52,6 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backends: dict[str, str]):
         """vLLM's ``{layer name: KV cache}``; ``backends``: each layer's attention backend name
         (``vllm_cuda_layouts.attention_backend_names``)."""
-        if self.hybrid is not None:
-            self.hybrid.register(kv_caches, backends)
-            return
         names = layer_order(kv_caches)
         if len(names) != self.layout.num_layers:
             raise KVTierError(f"vLLM registered {len(names)} KV cache layers, the model config says "
@@ -66,13 +64,12 @@ class WorkerSide:
     def start_load_kv(self, meta) -> None:
         """Load this step's ``meta.loads`` (vLLM's connector metadata for the step)."""
         self._layer_loads = []
-        if not isinstance(meta, KVTierConnectorMetadata):
-            return
-        if meta.hybrid_loads:
-            self.hybrid.load_all(meta.hybrid_loads)
-        step_started = time.monotonic()
-        deadline = step_started + self.load_timeout_seconds  # one deadline for the step's loads: none waits longer
-        for op in meta.loads:
+        if isinstance(meta, KVTierConnectorMetadata) and meta.loads:
+            self._load_all(meta.loads)
+
+    def _load_all(self, loads: list[LoadOp]) -> None:
+        deadline = time.monotonic() + self.load_timeout_seconds  # one deadline for the step's loads: none waits longer
+        for op in loads:
             started = time.monotonic()
             ok_end = self.link.call("retrieve", self._load, op, deadline, default=op.start)
             if ok_end < op.end:  # fewer tokens than promised: vLLM recomputes these blocks
@@ -145,26 +142,23 @@ class WorkerSide:
         if self._blocks is not None:
             self._blocks.wait_loaded()  # a step whose forward read no layer (its loads were not waited for yet)
         staged, self._layer_saves = self._layer_saves, []
-        if isinstance(meta, KVTierConnectorMetadata) and meta.hybrid_saves:
-            self.hybrid.save_all(meta.hybrid_saves)
+        if isinstance(meta, KVTierConnectorMetadata) and meta.saves and self.link.backend is not None:
+            self._save_all(meta.saves, staged)
+            self.link.report_costs()
             self._events.extend(to_vllm_events(self.link.take_events()))
-        backend = self.link.backend
-        if not isinstance(meta, KVTierConnectorMetadata) or backend is None or not meta.saves:
-            return
+
+    def _save_all(self, saves: list[SaveOp], staged: list) -> None:
         started = time.perf_counter()
-        sources = staged + [(None, op) for op in meta.saves if op.renew] if self.layerwise else \
-            [(None, op) for op in meta.saves]
+        sources = staged + [(None, op) for op in saves if op.renew] if self.layerwise else [(None, op) for op in saves]
         stored = 0
         for buf, op in sources:
-            stored += self.link.call("store", backend.store_chunks, op.token_ids, self._filler(op, buf), default=0,
-                                     hint=op.hint, **self.link.op_kw(op))
+            stored += self.link.call("store", self.link.backend.store_chunks, op.token_ids, self._filler(op, buf),
+                                     default=0, hint=op.hint, **self.link.op_kw(op))
         took = time.perf_counter() - started
         self.metrics.inc("kvtier_connector_store_calls_total", len(sources))
         self.metrics.inc("kvtier_connector_stored_chunks_total", stored)
         self.metrics.inc("kvtier_connector_store_seconds_total", took)
         logger.debug("kvtier: stored %d new chunks of %d requests in %.4f s", stored, len(sources), took)
-        self.link.report_costs()
-        self._events.extend(to_vllm_events(self.link.take_events()))
 
     def take_events(self) -> list:
         """vLLM ``kv_events`` of this side's stores since the last call."""
@@ -172,9 +166,7 @@ class WorkerSide:
         return events
 
     def get_transfer_results(self, finished_req_ids: set[str]):
-        """Loads finished this step (only a hybrid model loads asynchronously: none otherwise)."""
-        if self.hybrid is not None:
-            return self.hybrid.get_transfer_results(finished_req_ids)
+        """Loads finished this step: none (with one group they are synchronous, inside the step)."""
         return KVConnectorTransferResults(finished_recving=set(), failed_recving=set())
 
     def _filler(self, op: SaveOp, staged: torch.Tensor | None):
@@ -188,21 +180,3 @@ class WorkerSide:
             as_torch(dst, dtype).copy_(staged[:, :, start:start + dst.shape[2]])
 
         return from_blocks if staged is None else from_staged
-
-
-def to_vllm_events(events) -> list:
-    """kvtier events (``kvtier.events.model``) as vLLM's ``kv_events`` structs (same field names)."""
-    from vllm.distributed import kv_events as ve
-
-    out = []
-    for ev in events or []:
-        name = type(ev).__name__
-        if name == "BlockStored":
-            out.append(ve.BlockStored(block_hashes=ev.block_hashes, parent_block_hash=ev.parent_block_hash,
-                                      token_ids=ev.token_ids, block_size=ev.block_size, lora_id=ev.lora_id,
-                                      medium=ev.medium, lora_name=ev.lora_name, extra_keys=ev.extra_keys))
-        elif name == "BlockRemoved":
-            out.append(ve.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium))
-        elif name == "AllBlocksCleared":
-            out.append(ve.AllBlocksCleared())
-    return out

@@ -160,15 +160,15 @@ def test_a_server_down_at_start_is_caught_up_and_a_restart_removes_what_it_lost(
 
 def test_an_idle_engine_has_the_servers_changes_published_for_it(tmp_path):
     server, events = start_server(tmp_path)
-    flushed: list = []
-    feed = open_feed(server.port, events, flush=lambda evs: flushed.append(evs) or True, idle_flush_seconds=0.2)
+    published: list = []
+    feed = open_feed(server.port, events, publish=lambda evs: published.append(evs) or True, idle_publish_seconds=0.2)
     try:
         assert feed.take_events() == []  # the engine's first step: from now on its stream has listeners
         store(server.url, list(range(6000, 6016)))
         # nobody calls take_events() (an idle engine): the feed publishes the store itself
-        wait_for(lambda: flushed, 20, "the idle flush")
-        assert [h for batch in flushed for e in batch for h in e.block_hashes] == list(feed.mirror.blocks["CPU"])
-        assert feed.take_events() == [] and feed.stats["idle_flushes"] == 1
+        wait_for(lambda: published, 20, "the idle publish")
+        assert [h for batch in published for e in batch for h in e.block_hashes] == list(feed.mirror.blocks["CPU"])
+        assert feed.take_events() == [] and feed.stats["idle_publishes"] == 1
     finally:
         feed.close()
         server.stop()
@@ -192,52 +192,52 @@ def view_after(batches) -> dict[int, int]:
 def test_before_the_engines_first_step_the_router_is_resynced_from_when_the_publisher_exists(tmp_path):
     server, events = start_server(tmp_path)
     store(server.url, list(range(9000, 9016)))  # the state a new worker learns by replay at start-up
-    flushed: list = []
-    feed = open_feed(server.port, events, flush=lambda evs: flushed.append(evs) or True, idle_flush_seconds=0.1)
+    published: list = []
+    feed = open_feed(server.port, events, publish=lambda evs: published.append(evs) or True, idle_publish_seconds=0.1)
     try:
         wait_for(lambda: feed.num_blocks("CPU") == 2, 20, "the replay")
         held = list(feed.mirror.blocks["CPU"])
         time.sleep(0.5)  # several idle periods
-        assert flushed == []  # no publisher yet (vLLM builds it after the connector): nothing is published
+        assert published == []  # no publisher yet (vLLM builds it after the connector): nothing is published
         feed.engine_started()
-        wait_for(lambda: len(flushed) >= 2, 20, "the first two resyncs")  # at once, then after 0.5 s
+        wait_for(lambda: len(published) >= 2, 20, "the first two resyncs")  # at once, then after 0.5 s
         # each resync removes, then stores, every held block: a subscriber that joined before any of them, between
         # them, or after the first sees each block once
-        for start in range(len(flushed)):
-            assert view_after(flushed[start:]) == {h: 1 for h in held}
-        assert all(isinstance(e, (BlockRemoved, BlockStored)) for batch in flushed for e in batch)
-        store(server.url, list(range(9100, 9116)))  # a change between resyncs: flushed as it happens
+        for start in range(len(published)):
+            assert view_after(published[start:]) == {h: 1 for h in held}
+        assert all(isinstance(e, (BlockRemoved, BlockStored)) for batch in published for e in batch)
+        store(server.url, list(range(9100, 9116)))  # a change between resyncs: published as it happens
         wait_for(lambda: feed.num_blocks("CPU") == 4, 20, "the second store")
-        wait_for(lambda: view_after(flushed) == {h: 1 for h in feed.mirror.blocks["CPU"]}, 20, "the change's flush")
+        wait_for(lambda: view_after(published) == {h: 1 for h in feed.mirror.blocks["CPU"]}, 20, "the change's publish")
         # the engine's first step: one more resync in its own batch, then the resyncs stop
         first = feed.take_events()
         assert view_after([first]) == {h: 1 for h in feed.mirror.blocks["CPU"]}
-        count = len(flushed)
+        count = len(published)
         time.sleep(1.5)  # longer than the next gaps (1 s, 2 s from the start): no resync after the first step
-        assert len(flushed) == count and feed.stats["resyncs"] == count - feed.stats["idle_flushes"] + 1
+        assert len(published) == count and feed.stats["resyncs"] == count - feed.stats["idle_publishes"] + 1
     finally:
         feed.close()
         server.stop()
 
 
-def test_a_reannouncement_waits_for_the_engines_clear_before_an_idle_flush(tmp_path):
+def test_a_reannouncement_waits_for_the_engines_clear_before_an_idle_publish(tmp_path):
     server, events = start_server(tmp_path)
     engine = EventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/engine", batch_max_delay_seconds=0))
-    flushed: list = []
-    feed = open_feed(server.port, events, engine_endpoint=engine.endpoint, idle_flush_seconds=0.2,
-                     flush=lambda evs: flushed.append(evs) or True)
+    published: list = []
+    feed = open_feed(server.port, events, engine_endpoint=engine.endpoint, idle_publish_seconds=0.2,
+                     publish=lambda evs: published.append(evs) or True)
     try:
         assert feed.take_events() == []  # the engine's first step
         store(server.url, list(range(7000, 7016)))
-        wait_for(lambda: flushed, 20, "the store's idle flush")
+        wait_for(lambda: published, 20, "the store's idle publish")
         wait_for(lambda: engine.publish([BlockRemoved([1], "GPU")]) and feed.stats["engine_batches"], 20,
                  "the watcher to join the engine's stream")
         feed.reannounce()  # vLLM's reset_cache(): the engine's AllBlocksCleared is still to come
-        time.sleep(0.5)  # longer than idle_flush_seconds: an idle flush now would land before the clear
-        assert len(flushed) == 1
+        time.sleep(0.5)  # longer than idle_publish_seconds: an idle publish now would land before the clear
+        assert len(published) == 1
         engine.publish([AllBlocksCleared()])
-        wait_for(lambda: len(flushed) == 2, 20, "the re-announcement after the clear")
-        assert [e.block_hashes for e in flushed[1]] == [e.block_hashes for e in flushed[0]]
+        wait_for(lambda: len(published) == 2, 20, "the re-announcement after the clear")
+        assert [e.block_hashes for e in published[1]] == [e.block_hashes for e in published[0]]
     finally:
         feed.close()
         engine.close()
@@ -245,7 +245,7 @@ def test_a_reannouncement_waits_for_the_engines_clear_before_an_idle_flush(tmp_p
 
 
 def test_the_engines_publisher_is_found_through_the_scheduler_that_owns_the_connector():
-    from kvtier.connectors.engine_flush import _scheduler_publisher
+    from kvtier.connectors.engine_publish import _scheduler_publisher
 
     class Connector:
         pass

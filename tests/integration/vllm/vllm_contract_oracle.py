@@ -12,7 +12,8 @@ import json
 from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
-from kvtier.connectors.vllm import KVTierConnector, KVTierEvents
+from kvtier.connectors.vllm import KVTierConnector
+from kvtier.connectors.vllm_events import KVTierEvents
 
 
 def compatible(base, ours) -> bool:

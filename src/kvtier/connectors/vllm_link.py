@@ -1,5 +1,5 @@
 """The kvtier vLLM connector's link to kvtier: its backends, the guard every backend call goes through, and the
-sizes both sides share (``Backends``).
+sizes both sides share (``KVTierLink``).
 
 One ``KVBackend`` per KV part (one for a plain model; one per attention kind for a hybrid one, ``vllm_groups``): a
 ``kvtier.client.Client`` of ``connector.server_url`` or, without a server, an in-process ``KVCache`` over an L2
@@ -28,7 +28,7 @@ REPORT_SECONDS = 30.0  # how often each side logs what lookups and stores cost (
 TRANSPORT_ERRORS = (StorageError, ProtocolError, CorruptRecordError, zmq.ZMQError, OSError)
 
 
-class Backends:
+class KVTierLink:
     """The backends of one connector side, opened at construction (an unreachable server: ``backend`` None, and
     vLLM serves without kvtier).
 

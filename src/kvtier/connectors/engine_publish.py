@@ -1,4 +1,4 @@
-"""Publishing kvtier's events through the vLLM engine's own KV event publisher (``EngineFlush``), for the
+"""Publishing kvtier's events through the vLLM engine's own KV event publisher (``EnginePublish``), for the
 server-event feed (``kvtier.connectors.server_feed``) when the engine is idle: vLLM publishes connector events only
 when a step produces output.
 """
@@ -30,8 +30,8 @@ def _scheduler_publisher(connector):
     return None
 
 
-class EngineFlush:
-    """A ``ServerFeed`` ``flush``: publish through the engine's own publisher (``convert``: kvtier events to vLLM's).
+class EnginePublish:
+    """A ``ServerFeed`` ``publish``: publish through the engine's own publisher (``convert``: kvtier events to vLLM's).
 
     ``bind()`` finds the publisher; the connector calls it from ``bind_kv_cache_manager``, which vLLM calls once
     the scheduler has built its publisher. Unbound, the first call binds. Without a publisher every call returns
