@@ -230,21 +230,30 @@ class LookupReply(_Msg, tag="lookup_reply"):
 
 
 class StoreSlots(_Msg, tag="store_slots"):
+    """The L1 slots reserved for a store's missing chunks, under lease ``ticket`` until ``StoreCommit``."""
+
     ticket: int
     slots: list[Slot]
 
 
 class StoreDone(_Msg, tag="store_done"):
+    """A ``StoreCommit``'s answer: ``num_stored`` chunks became visible."""
+
     num_stored: int
 
 
 class RetrieveSlots(_Msg, tag="retrieve_slots"):
+    """Shared memory: the pinned L1 slots of the leading ``num_tokens`` held, under lease ``ticket`` until
+    ``RetrieveEnd``."""
+
     ticket: int
     num_tokens: int
     slots: list[Slot]
 
 
 class RetrieveData(_Msg, tag="retrieve_data"):
+    """Frames: the leading ``num_tokens`` held, one payload frame per slot after this header (no lease)."""
+
     num_tokens: int
     slots: list[Slot]
 

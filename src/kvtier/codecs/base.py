@@ -92,6 +92,16 @@ class Compressor:
         when given. Raises CodecError when ``data`` does not hold them."""
         raise NotImplementedError
 
+    def empty(self, data, size: int, out: np.ndarray | None) -> np.ndarray | None:
+        """``decompress``'s answer when the chunk or its encoding is empty (then both must be); None otherwise.
+        Raises CodecError for encoded bytes of an empty chunk, or no bytes for a chunk that is not."""
+        encoded = memoryview(data).nbytes
+        if size and encoded:
+            return None
+        if size or encoded:
+            raise CodecError(f"{self.name}: {encoded} encoded bytes for a chunk of {size} bytes")
+        return np.empty(0, dtype=np.uint8) if out is None else out
+
 
 def _tensor_over(out: np.ndarray | None, layout: KVLayout, num_tokens: int):
     """A torch tensor ``layout.chunk_shape(num_tokens)`` sharing ``out``'s bytes; None without ``out`` or bytes."""

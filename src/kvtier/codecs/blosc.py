@@ -42,11 +42,9 @@ class _Blosc(Compressor):
     def decompress(self, data, params, size, out=None):
         import blosc2
 
+        if (empty := self.empty(data, size, out)) is not None:
+            return empty
         encoded = memoryview(data).nbytes
-        if size == 0 or encoded == 0:
-            if size or encoded:
-                raise CodecError(f"{self.name}: {encoded} encoded bytes for a chunk of {size} bytes")
-            return np.empty(0, dtype=np.uint8) if out is None else out
         try:
             declared, compressed, _ = blosc2.get_cbuffer_sizes(data)
         except Exception as exc:  # noqa: BLE001 -- any failure to read the frame header is a corrupt record

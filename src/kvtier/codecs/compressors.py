@@ -36,11 +36,8 @@ class _Shuffled(Compressor):
         return (self._deflate(planes) if planes.size else b""), params
 
     def decompress(self, data, params, size, out=None):
-        encoded = memoryview(data).nbytes
-        if size == 0 or encoded == 0:
-            if size or encoded:
-                raise CodecError(f"{self.name}: {encoded} encoded bytes for a chunk of {size} bytes")
-            return np.empty(0, dtype=np.uint8) if out is None else out
+        if (empty := self.empty(data, size, out)) is not None:
+            return empty
         inflated = self._inflate(data, size)
         if inflated.size != size:  # lz4 accepts a block that decodes to fewer bytes than the room given
             raise CodecError(f"{self.name}: decompressed {inflated.size} bytes; the layout needs {size}")
