@@ -265,6 +265,8 @@ class PrefetchReply(_Msg, tag="prefetch_reply"):
 
 
 class ClearReply(_Msg, tag="clear_reply"):
+    """A ``Clear``'s answer: ``num_chunks`` chunks dropped from L1 (L2's are dropped behind its queued writes)."""
+
     num_chunks: int
 
 
