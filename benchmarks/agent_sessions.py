@@ -34,7 +34,7 @@ chunks are still there when a session comes back.
 
 Reported per system, over the turns after the first: mean, p50 and p90 TTFT, and the prompt tokens of a turn by
 where vLLM got them (``vllm:prompt_tokens_by_source_total``, read after every request: vLLM's cache, the connector,
-recomputed). Writes benchmarks/agent_sessions.csv and docs/img/agent_sessions.png (--quick: under /tmp) and prints
+recomputed). Writes benchmarks/results/agent_sessions.csv and docs/img/agent_sessions.png (--quick: under /tmp) and prints
 kvtier_hints / kvtier_lru and kvtier_hints / vllm. Exit status: 0; 1 when a system failed; 2 for a configuration
 refused as above.
 """
@@ -43,12 +43,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import hashlib
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -63,9 +61,9 @@ from charts import agent_sessions_chart
 from corpus import Corpus, CorpusExhausted
 from harness.metrics import scrape, total
 from harness.vllm import REPO, ServerProcessForVLLM, model_dir
-from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems
+from report import RESULTS_DIR, Refused, finish, mean, nearest_rank
+from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, send
 
-HERE = Path(__file__).resolve().parent
 SYSTEMS = ("vllm", "kvtier_lru", "kvtier_hints")
 SOURCES = {"local_cache_hit": "vllm_cache", "external_kv_transfer": "kvtier", "local_compute": "recomputed"}
 KVTIER_COUNTERS = ("kvtier_retention_refused_chunks_total", "kvtier_evicted_chunks_total", "kvtier_store_chunks_total")
@@ -76,9 +74,6 @@ QUICK = {"sessions": 8, "turns": 3, "live_sessions": 2.0, "pause_min_seconds": 8
          "doc_interval_seconds": 1.6, "system_tokens": 512, "task_tokens": 128, "tool_tokens": 256,
          "answer_tokens": 8, "doc_tokens": 1024}
 
-
-class Refused(ValueError):
-    """The configuration would not measure what the benchmark is about (exit status 2)."""
 
 
 class Texts:
@@ -101,30 +96,6 @@ class Texts:
 
     def doc_prompt(self, doc: int) -> str:
         return f"### Document\n{self.docs[doc]}\n### Question: Summarise the document in one sentence.\n### Answer:"
-
-
-async def send(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, params: dict | None) -> dict:
-    """One streamed greedy completion: TTFT, answer text and usage."""
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    if params:
-        body["kv_transfer_params"] = params
-    started = time.perf_counter()
-    ttft, text, usage = None, "", {}
-    async with client.stream("POST", base + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                ttft = ttft if ttft is not None else time.perf_counter() - started
-                text += chunk["choices"][0]["text"]
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    return {"ttft_seconds": ttft, "seconds": time.perf_counter() - started, "text": text,
-            "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
 async def run_plan(srv: VLLMServer, system: str, requests, texts: Texts, args) -> list[dict]:
@@ -203,15 +174,13 @@ def summarise(system: str, m: dict, args) -> dict:
     recs = m["records"]
     later = [r for r in recs if r["kind"] == "turn" and r["turn"] > 0]
     ttfts = sorted(r["ttft_seconds"] for r in later)
-    mean = lambda xs: round(statistics.mean(xs), 4) if xs else ""  # noqa: E731
-    rank = lambda q: round(ttfts[max(0, math.ceil(q * len(ttfts)) - 1)], 4)  # noqa: E731 -- nearest rank
     ttl = (args.pause_max_seconds + args.ttl_margin_seconds) * args.time_scale
     prev = {(r["session"], r["turn"]): r["sent_seconds"] for r in recs if r["kind"] == "turn"}
     gaps = [r["sent_seconds"] - prev[r["session"], r["turn"] - 1] for r in later]
     return {
         "system": system, "sessions": args.sessions, "turns": args.turns, "requests": len(recs),
         "later_turns": len(later), "docs": sum(r["kind"] == "doc" for r in recs),
-        "mean_ttft_seconds": mean(ttfts), "p50_ttft_seconds": rank(0.5), "p90_ttft_seconds": rank(0.9),
+        "mean_ttft_seconds": mean(ttfts), "p50_ttft_seconds": nearest_rank(ttfts, 0.5), "p90_ttft_seconds": nearest_rank(ttfts, 0.9),
         **{f"mean_ttft_turn{k}_seconds": mean([r["ttft_seconds"] for r in recs if r["kind"] == "turn" and r["turn"] == k])
            for k in range(args.turns)},
         "mean_ttft_doc_seconds": mean([r["ttft_seconds"] for r in recs if r["kind"] == "doc"]),
@@ -309,7 +278,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--chunk-size", type=int, default=256, help="kvtier's chunk size in tokens")
     ap.add_argument("--seed", type=int, default=0, help="picks the texts and the pauses")
     ap.add_argument("--reserved-cpu", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU for every vLLM")
-    ap.add_argument("--csv", default=None, help="default benchmarks/agent_sessions.csv (--quick: under /tmp)")
+    ap.add_argument("--csv", default=None, help="default benchmarks/results/agent_sessions.csv (--quick: under /tmp)")
     ap.add_argument("--chart", default=None, help="default docs/img/agent_sessions.png (--quick: under /tmp)")
     ap.add_argument("--work", default=None, help="keep the logs and per-request JSON in this folder")
     ap.add_argument("--plan", action="store_true", help="print the schedule and sizes, run nothing")
@@ -318,7 +287,7 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, QUICK[key] if args.quick else value)
     out = Path(tempfile.gettempdir()) / "agent_sessions-quick" if args.quick else None
-    args.csv = Path(args.csv or (out / "agent_sessions.csv" if out else HERE / "agent_sessions.csv"))
+    args.csv = Path(args.csv or (out / "agent_sessions.csv" if out else RESULTS_DIR / "agent_sessions.csv"))
     args.chart = Path(args.chart or (out / "agent_sessions.png" if out else REPO / "docs" / "img" / "agent_sessions.png"))
     args.systems = args.systems.split(",")
     if set(args.systems) - set(SYSTEMS):
@@ -374,20 +343,7 @@ def main() -> int:
                   f"counters agree {row['counters_agree']}; " + ", ".join(
                       f"{k} {row[k]}" for k in ("retention_refused_chunks", "evicted_chunks", "turns_past_ttl")
                       if row.get(k, "") != ""), flush=True)
-    if rows:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-        args.chart.parent.mkdir(parents=True, exist_ok=True)
-        agent_sessions_chart(rows, args.chart)
-        print_ratios(rows)
-        print(f"wrote {args.csv} and {args.chart}")
-    for name, why in absent.items():
-        print(f"ABSENT: {name}: {why}")
-    print(f"wall time {time.monotonic() - started:.0f} s; load average at the end {os.getloadavg()}")
-    return 1 if absent or not rows else 0
+    return finish(rows, absent, args.csv, args.chart, agent_sessions_chart, print_ratios, started)
 
 
 if __name__ == "__main__":

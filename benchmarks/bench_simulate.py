@@ -25,9 +25,9 @@ medians of ``--overhead-lookups``).
 
     .venv/bin/python benchmarks/bench_simulate.py [--users 16 --rounds 6 --concurrency 2]
         [--l1-size-mb 16,32,64 --policies LRU,ARC,S3FIFO --l2-size-mb 0] [--speed-requests 1000000]
-        [--save-trace benchmarks/traces/multi_user.trace] [--chart docs/img/simulate_hit_rate.png] [--json]
+        [--save-trace benchmarks/results/traces/multi_user.trace] [--chart docs/img/simulate_hit_rate.png] [--json]
         [--overhead-lookups 2000]
-    .venv/bin/python benchmarks/bench_simulate.py --speed-from benchmarks/traces/multi_user.trace   # speed + overhead only
+    .venv/bin/python benchmarks/bench_simulate.py --speed-from benchmarks/results/traces/multi_user.trace   # speed + overhead only
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def main() -> int:
     ap.add_argument("--speed-requests", type=int, default=1_000_000)
     ap.add_argument("--save-trace", type=Path, default=None, help="copy the first run's trace here")
     ap.add_argument("--speed-from", type=Path, default=None,
-                    help="no real runs: the speed part over this trace (e.g. benchmarks/traces/multi_user.trace) and the "
+                    help="no real runs: the speed part over this trace (e.g. benchmarks/results/traces/multi_user.trace) and the "
                          "recording overhead")
     ap.add_argument("--chart", type=Path, default=None)
     ap.add_argument("--overhead-lookups", type=int, default=2000,

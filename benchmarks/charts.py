@@ -1,5 +1,5 @@
-"""Render the charts in docs/img/ from benchmarks/results.json, benchmarks/multi_round_qa.csv and
-benchmarks/agent_sessions.csv (the figures recorded in RESULTS.md). benchmarks/multi_round_qa.py and
+"""Render the charts in docs/img/ from benchmarks/results/results.json, benchmarks/results/multi_round_qa.csv and
+benchmarks/results/agent_sessions.csv (the figures recorded in RESULTS.md). benchmarks/multi_round_qa.py and
 benchmarks/agent_sessions.py draw their charts with ``multi_round_qa_chart`` and ``agent_sessions_chart`` too.
 
     .venv/bin/python benchmarks/charts.py
@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from report import RESULTS_DIR  # noqa: E402
 
 HERE = Path(__file__).parent
 OUT = HERE.parent / "docs" / "img"
@@ -127,7 +128,7 @@ def agent_sessions_chart(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    results = json.loads((HERE / "results.json").read_text())
+    results = json.loads((RESULTS_DIR / "results.json").read_text())
     OUT.mkdir(parents=True, exist_ok=True)
     bars(results["demo_ttft_seconds"], "SmolLM2-135M on CPU, 2,077-token prompt: time to first token", "seconds",
          OUT / "demo_ttft.png")
@@ -135,9 +136,9 @@ def main() -> None:
          "seconds", OUT / "l2_restart.png")
     bars(results["ratios_vs_baseline"], "kvtier vs baseline measured in the same run (higher is better)",
          "ratio", OUT / "ratios.png", line=1.0)
-    with open(HERE / "multi_round_qa.csv", newline="") as f:
+    with open(RESULTS_DIR / "multi_round_qa.csv", newline="") as f:
         multi_round_qa_chart(list(csv.DictReader(f)), OUT / "multi_round_qa.png")
-    with open(HERE / "agent_sessions.csv", newline="") as f:
+    with open(RESULTS_DIR / "agent_sessions.csv", newline="") as f:
         agent_sessions_chart(list(csv.DictReader(f)), OUT / "agent_sessions.png")
     print(f"wrote {OUT}/demo_ttft.png, l2_restart.png, ratios.png, multi_round_qa.png, agent_sessions.png")
 

@@ -23,7 +23,7 @@ both workers (``local_cache_hit``: vLLM's prefix cache; ``external_kv_transfer``
 ``--shared-l2`` puts one Redis L2 under both servers: a fresh ``redis-server`` (no persistence) on a free
 127.0.0.1 port for each router mode, so neither run finds the other's chunks.
 
-Writes benchmarks/dynamo_routing.csv (one row per router mode) and docs/img/dynamo_routing.png (``--shared-l2``:
+Writes benchmarks/results/dynamo_routing.csv (one row per router mode) and docs/img/dynamo_routing.png (``--shared-l2``:
 dynamo_routing_shared_l2.csv / .png; --quick: under /tmp), and prints kv / round-robin mean TTFT of rounds after
 the first. Needs scripts/setup-vllm.sh and
 scripts/setup-dynamo.sh. Exit status 0, or 1 when a run failed.
@@ -50,8 +50,8 @@ from corpus import Corpus
 from harness.dynamo_deploy import REPO, TwoNodes
 from harness.metrics import scrape
 from harness.vllm import model_dir
+from report import RESULTS_DIR
 
-HERE = Path(__file__).resolve().parent
 
 SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
 QUESTIONS = ["What is this text about? Answer in one sentence.", "Which names or programs does it mention?",
@@ -226,7 +226,7 @@ def main() -> int:
     contexts = [corpus.draw(args.context_tokens) for _ in range(args.users)]
     out_dir = Path(tempfile.mkdtemp(prefix="dynamo-routing-")) if args.quick else None
     name = "dynamo_routing_shared_l2" if args.shared_l2 else "dynamo_routing"
-    csv_path = (out_dir or HERE) / f"{name}.csv"
+    csv_path = (out_dir or RESULTS_DIR) / f"{name}.csv"
     png_path = (out_dir or REPO / "docs" / "img") / f"{name}.png"
     rows, failed = [], False
     for mode in args.modes.split(","):

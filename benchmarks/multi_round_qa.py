@@ -28,7 +28,7 @@ which count what the connector asked.
     .venv/bin/python benchmarks/multi_round_qa.py [--quick] [--repeat N] [--regimes fits,overflow]
         [--systems vllm,lmcache,kvtier[,kvtier_lazy]] [--users 8 --rounds 3 --context-tokens 2048 --max-tokens 32] [--plan]
 
-Writes benchmarks/multi_round_qa.csv (one row per regime and system) and docs/img/multi_round_qa.png (--quick:
+Writes benchmarks/results/multi_round_qa.csv (one row per regime and system) and docs/img/multi_round_qa.png (--quick:
 files under /tmp) and prints kvtier / vLLM alone and kvtier / LMCache per regime. Exit status: 0, 1 when a system
 failed or is absent, 2 when the configuration cannot be run as asked (not enough distinct text, a ratio out of its
 range, a working set larger than the cache servers' L1).
@@ -38,12 +38,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import hashlib
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,9 +56,9 @@ from charts import multi_round_qa_chart
 from corpus import Corpus, CorpusExhausted, candidate_files
 from harness.metrics import total
 from harness.vllm import REPO, ServerProcessForVLLM, LMCacheServer, lmcache_missing, model_dir
-from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters
+from report import RESULTS_DIR, Refused, finish, mean, nearest_rank
+from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters, send
 
-HERE = Path(__file__).resolve().parent
 
 SYSTEMS = ("vllm", "lmcache", "kvtier", "kvtier_lazy")
 DEFAULT_SYSTEMS = "vllm,lmcache,kvtier"
@@ -114,27 +112,10 @@ async def user_session(client: httpx.AsyncClient, base: str, wl: Workload, user:
     prompt = wl.first_prompt(user)
     for r in range(wl.rounds):
         prompt += wl.question(user, r)
-        body = {"model": "smollm2", "prompt": prompt, "max_tokens": wl.max_tokens, "temperature": 0.0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        started = time.perf_counter()
-        ttft, text, usage = None, "", {}
-        async with client.stream("POST", base + "/v1/completions", json=body) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):
-                    if ttft is None:
-                        ttft = time.perf_counter() - started
-                    text += chunk["choices"][0]["text"]
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-        out.append({"user": user, "round": r, "ttft_seconds": ttft, "seconds": time.perf_counter() - started,
-                    "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-                    "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        got = await send(client, base, prompt, wl.max_tokens, None)
+        out.append({"user": user, "round": r, **{k: v for k, v in got.items() if k != "text"},
                     "prompt_sha": hashlib.sha256(prompt.encode()).hexdigest()})
-        prompt += text
+        prompt += got["text"]
 
 
 async def run_load(srv: VLLMServer, cache, wl: Workload) -> tuple[list[dict], float, dict, dict]:
@@ -210,14 +191,13 @@ def summarise(regime: str, system: str, runs: list[dict], args, wl: Workload) ->
     last = [r for r in runs[0]["records"] if r["round"] == wl.rounds - 1]
     ws = wl.system_tokens + sum(r["prompt_tokens"] + r["completion_tokens"] - wl.system_tokens for r in last)
     capacity = runs[0]["kv_capacity_tokens"]
-    mean = lambda xs: round(statistics.mean(xs), 4) if xs else ""  # noqa: E731
     return {
         "regime": regime, "system": system, "config": runs[0]["config"], "users": len(wl.contexts), "rounds": wl.rounds,
         "context_tokens": args.context_tokens, "max_tokens": wl.max_tokens, "chunk_size": args.chunk_size,
         "repeats": len(runs), "working_set_tokens": ws, "kv_capacity_tokens": capacity,
         "working_set_ratio": round(ws / capacity, 3), "requests": len(records),
         "mean_ttft_seconds": mean(ttfts),
-        "p90_ttft_seconds": round(ttfts[math.ceil(0.9 * len(ttfts)) - 1], 4),  # nearest rank
+        "p90_ttft_seconds": nearest_rank(ttfts, 0.9),
         "mean_ttft_round1_seconds": mean([r["ttft_seconds"] for r in records if r["round"] == 0]),
         "mean_ttft_later_rounds_seconds": mean([r["ttft_seconds"] for r in records if r["round"] > 0]),
         "requests_per_second": round(len(records) / wall, 4),
@@ -238,9 +218,6 @@ def summarise(regime: str, system: str, runs: list[dict], args, wl: Workload) ->
         "load_1m": " ".join(f"{run['load_1m']:.2f}" for run in runs),
     }
 
-
-class Refused(ValueError):
-    """The configuration cannot be run as asked (exit status 2)."""
 
 
 def kv_blocks_for(regime: str, args, wl: Workload) -> int:
@@ -307,7 +284,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--corpus", default=None, help="draw the texts from every file under this folder instead of "
                     "Debian's licences and package documentation")
     ap.add_argument("--reserved-cpu", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU for every vLLM")
-    ap.add_argument("--csv", default=None, help="default benchmarks/multi_round_qa.csv (--quick: under /tmp)")
+    ap.add_argument("--csv", default=None, help="default benchmarks/results/multi_round_qa.csv (--quick: under /tmp)")
     ap.add_argument("--chart", default=None, help="default docs/img/multi_round_qa.png (--quick: under /tmp)")
     ap.add_argument("--work", default=None, help="keep the vLLM and cache server logs in this folder")
     ap.add_argument("--repeat", type=positive, default=1, help="measure every regime and system this many times "
@@ -318,7 +295,7 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, QUICK[key] if args.quick else value)
     out = Path(tempfile.gettempdir()) / "multi_round_qa-quick" if args.quick else None
-    args.csv = Path(args.csv or (out / "multi_round_qa.csv" if out else HERE / "multi_round_qa.csv"))
+    args.csv = Path(args.csv or (out / "multi_round_qa.csv" if out else RESULTS_DIR / "multi_round_qa.csv"))
     args.chart = Path(args.chart or (out / "multi_round_qa.png" if out else REPO / "docs" / "img" / "multi_round_qa.png"))
     if args.fits_ratio <= 0 or args.overflow_ratio <= 0:
         ap.error("--fits-ratio and --overflow-ratio must be positive")
@@ -400,20 +377,7 @@ def main() -> int:
         return 0
     runs, absent = measure_all(args, wl, blocks, bytes_per_token)
     rows = [summarise(regime, system, got, args, wl) for (regime, system), got in runs.items()]
-    if rows:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-        args.chart.parent.mkdir(parents=True, exist_ok=True)
-        multi_round_qa_chart(rows, args.chart)
-        print_ratios(rows)
-        print(f"wrote {args.csv} and {args.chart}")
-    for name, why in absent.items():
-        print(f"ABSENT: {name}: {why}")
-    print(f"wall time {time.monotonic() - started:.0f} s; load average at the end {os.getloadavg()}")
-    return 1 if absent or not rows else 0
+    return finish(rows, absent, args.csv, args.chart, multi_round_qa_chart, print_ratios, started)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ set, and the comparison is wrong.
 cache groups in vLLM; kvtier stores each group's part) and writes benchmarks/reuse_ttft_gemma3.*; its figure is
 kvtier's fresh-process TTFT against vLLM alone cold.
 
-Writes benchmarks/reuse_ttft.csv and benchmarks/reuse_ttft.png and prints the ratios the issue asks for.
+Writes benchmarks/results/reuse_ttft.csv and benchmarks/results/reuse_ttft.png and prints the ratios the issue asks for.
 ``--merge`` keeps the rows of systems not run this time from the existing CSV (check their ``reserved_cpu``).
 """
 
@@ -55,8 +55,8 @@ from harness.vllm import (
     run_vllm,
     run_vllm_lmcache,
 )
+from report import RESULTS_DIR
 
-HERE = Path(__file__).resolve().parent
 
 MODELS = {"smollm2": ("SmolLM2-135M", model_dir), "gemma3": ("Gemma-3-270M", gemma3_dir)}
 MODEL = {"name": "smollm2"}  # set by --model
@@ -191,7 +191,7 @@ def main() -> int:
     args = ap.parse_args()
     MODEL["name"] = args.model
     if args.out is None:
-        args.out = str(HERE / ("reuse_ttft" if args.model == "smollm2" else f"reuse_ttft_{args.model}"))
+        args.out = str(RESULTS_DIR / ("reuse_ttft" if args.model == "smollm2" else f"reuse_ttft_{args.model}"))
     names = args.systems.split(",")
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:

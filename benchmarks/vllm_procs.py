@@ -147,3 +147,27 @@ class VLLMServer:
 
     def stop(self) -> None:
         stop_process(self.proc, 60)
+
+
+async def send(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, params: dict | None) -> dict:
+    """One streamed greedy completion from vLLM's OpenAI server at ``base``: TTFT, answer text and usage."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if params:
+        body["kv_transfer_params"] = params
+    started = time.perf_counter()
+    ttft, text, usage = None, "", {}
+    async with client.stream("POST", base + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                ttft = ttft if ttft is not None else time.perf_counter() - started
+                text += chunk["choices"][0]["text"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return {"ttft_seconds": ttft, "seconds": time.perf_counter() - started, "text": text,
+            "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage.get("completion_tokens", 0),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
