@@ -61,7 +61,7 @@ from charts import agent_sessions_chart
 from corpus import Corpus, CorpusExhausted
 from harness.metrics import scrape, total
 from harness.vllm import REPO, ServerProcessForVLLM, model_dir
-from report import RESULTS_DIR, Refused, finish, mean, nearest_rank
+from report import RESULTS_DIR, Refused, commit_line, finish, mean, nearest_rank
 from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, send
 
 SYSTEMS = ("vllm", "kvtier_lru", "kvtier_hints")
@@ -317,7 +317,7 @@ def main() -> int:
     except (Refused, CorpusExhausted) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"commit {os.popen(f'git -C {REPO} log -1 --format=%h').read().strip()}; load average {os.getloadavg()}; "
+    print(f"{commit_line()}; load average {os.getloadavg()}; "
           f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpu}; system prompt {texts.system_tokens} tokens (measured)")
     for line in lines:
         print(line, flush=True)

@@ -42,7 +42,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,7 +55,7 @@ from charts import multi_round_qa_chart
 from corpus import Corpus, CorpusExhausted, candidate_files
 from harness.metrics import total
 from harness.vllm import REPO, ServerProcessForVLLM, LMCacheServer, lmcache_missing, model_dir
-from report import RESULTS_DIR, Refused, finish, mean, nearest_rank
+from report import RESULTS_DIR, Refused, commit_line, finish, mean, nearest_rank
 from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters, send
 
 
@@ -361,10 +360,8 @@ def main() -> int:
     except (CorpusExhausted, Refused) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
     print(f"{args.users} users x {args.rounds} rounds, {args.context_tokens}-token contexts, {args.system_tokens}-token "
-          f"shared system prompt, {args.max_tokens}-token answers; commit {git('log', '-1', '--format=%h')}"
-          f"{' (src/ modified)' if git('status', '--porcelain', '--', 'src') else ''}; "
+          f"shared system prompt, {args.max_tokens}-token answers; {commit_line()}; "
           f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpu}; load average {os.getloadavg()}", flush=True)
     print(f"working set {wl.working_set_tokens} tokens ({wl.working_set_tokens * bytes_per_token / 1e9:.2f} GB of KV, "
           f"{bytes_per_token} bytes per token); --max-model-len {args.max_model_len}", flush=True)
