@@ -59,8 +59,8 @@ from agent_plan import AgentShape, Schedule, all_sessions_chunks, flood_horizon_
     plan, prefill_tokens, protected_peak_chunks
 from charts import agent_sessions_chart
 from corpus import Corpus, CorpusExhausted
-from harness.metrics import scrape, total
-from harness.vllm import REPO, ServerProcessForVLLM, model_dir
+from kvtier_harness.metrics import scrape, total
+from kvtier_harness.vllm import REPO, ServerProcessForVLLM, model_dir
 from report import RESULTS_DIR, Refused, commit_line, finish, mean, nearest_rank
 from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, send
 

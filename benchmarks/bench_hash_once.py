@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.kvtier_server import ServerProcess
-from harness.metrics import metric_value
+from kvtier_harness.kvtier_server import ServerProcess
+from kvtier_harness.metrics import metric_value
 from kvtier.client import Client
 from kvtier.layout import KVLayout
 

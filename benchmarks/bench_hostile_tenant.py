@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import zmq
 
-from harness.kvtier_server import ServerProcess
-from harness.service_proc import free_port
+from kvtier_harness.kvtier_server import ServerProcess
+from kvtier_harness.service_proc import free_port
 from kvtier.auth.curve import apply_client
 from kvtier.auth.secret_file import add_tenant, default_secret_file, read_credentials, tenant_credentials, write_private
 from kvtier.client import Client

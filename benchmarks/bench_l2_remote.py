@@ -1,7 +1,7 @@
 """Write + read of 11.25 MiB chunk records through each network L2 adapter vs the raw client.
 
 For every server (moto_server and SeaweedFS for s3, Azurite for azure_blob, redis-server, Valkey and a
-3-node Redis Cluster for redis), started on 127.0.0.1 by harness/services.py, the same records are written
+3-node Redis Cluster for redis), started on 127.0.0.1 by kvtier_harness/services.py, the same records are written
 and read back by ``--concurrency`` threads, once through the kvtier adapter (one ``put``/``get`` call per
 record, parts as L1 hands them: header + payload view) and once through the raw client (boto3
 put_object/get_object, azure-storage-blob upload_blob/download_blob, redis-py set/get) with the record
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from harness import services
+from kvtier_harness import services
 
 from kvtier.hashing import prefix_hashes
 from kvtier.keys import ChunkKey

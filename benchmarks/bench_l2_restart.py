@@ -2,7 +2,7 @@
 chunk) from each L2 into L1 after a restart, against cold prefill of the same 2,048 tokens on SmolLM2-135M.
 
 Per L2 kind (local_disk buffered and O_DIRECT, s3 on moto_server and SeaweedFS, azure_blob on Azurite,
-redis-server, a 3-node Redis Cluster, Valkey; servers started on 127.0.0.1 by harness/services.py): the prompt's
+redis-server, a 3-node Redis Cluster, Valkey; servers started on 127.0.0.1 by kvtier_harness/services.py): the prompt's
 KV is stored through one KVCache, which is closed (queued writes finished); a fresh KVCache (empty L1) over
 the same L2 then times ``retrieve`` of the 2,048 tokens, median of ``--runs`` runs, clearing L1 between runs.
 The first run is checked byte for byte against the stored KV.
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from harness import services
+from kvtier_harness import services
 from bench_l2_remote import adapter_spec
 
 from kvtier.cache import KVCache

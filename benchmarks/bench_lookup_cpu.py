@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from bench_lookup_hol import LAYOUT, MODEL, curve_keys, echo_server, floor_lookup, floor_socket, kv_for
 
-from harness.kvtier_server import ServerProcess
+from kvtier_harness.kvtier_server import ServerProcess
 from kvtier.client import Client
 from kvtier.zmq_context import Context
 

@@ -60,8 +60,8 @@ import numpy as np
 import redis
 import zmq
 
-from harness.kvtier_server import ServerProcess
-from harness.metrics import metric_sum
+from kvtier_harness.kvtier_server import ServerProcess
+from kvtier_harness.metrics import metric_sum
 from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.layout import KVLayout

@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from harness.kvtier_server import ServerProcess
+from kvtier_harness.kvtier_server import ServerProcess
 from kvtier.client import Client
 from kvtier.layout import KVLayout
 

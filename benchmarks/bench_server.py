@@ -39,7 +39,7 @@ import numpy as np
 import psutil
 import torch
 
-from harness.kvtier_server import ServerProcess
+from kvtier_harness.kvtier_server import ServerProcess
 from kvtier.cache import KVCache
 from kvtier.client import Client
 from kvtier.config import build_config

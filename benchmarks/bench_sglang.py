@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # harness/ from this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvtier_harness/ from this checkout
 
 GIB = 1 << 30
 WARMUP_ROUNDS = 9  # more rounds of pages than the server's L1 holds: measured rounds evict, as a full L1 does
@@ -41,7 +41,7 @@ def inner(url: str, pages: int, rounds: int, exists_reps: int) -> dict:
     """The measurement, in the SGLang environment."""
     import torch
 
-    from harness.sglang_pools import attach, fill_pages, mha_pool, page_keys, storage_config
+    from kvtier_harness.sglang_pools import attach, fill_pages, mha_pool, page_keys, storage_config
 
     torch.set_num_threads(1)  # a 2-core machine: the server has the other core
     pool = mha_pool("page_first", num_layers=16, heads=8, head_dim=64, page_size=32, num_pages=2 * pages + 2)
@@ -126,8 +126,8 @@ def main() -> None:
     if args.inner:
         print("RESULT " + json.dumps(inner(args.inner, args.pages, args.rounds, args.exists_reps)), flush=True)
         return
-    from harness.kvtier_server import ServerProcess
-    from harness.sglang import run_json
+    from kvtier_harness.kvtier_server import ServerProcess
+    from kvtier_harness.sglang import run_json
 
     # 1 MiB pages, 8 rounds of them: L1 fills in the warm-up rounds; a client may reserve a quarter of it at once
     l1 = f"{8 * args.pages}MiB"

@@ -45,8 +45,8 @@ from pathlib import Path
 
 import msgspec
 
-from harness.kvtier_server import ServerProcess
-from harness.metrics import metric_value
+from kvtier_harness.kvtier_server import ServerProcess
+from kvtier_harness.metrics import metric_value
 from kvtier.client import Client
 from kvtier.layout import KVLayout
 from kvtier.trace.format import encode_line, read_trace

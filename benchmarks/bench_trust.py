@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from harness.kvtier_server import ServerProcess
-from harness.metrics import parse
+from kvtier_harness.kvtier_server import ServerProcess
+from kvtier_harness.metrics import parse
 from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.layout import KVLayout

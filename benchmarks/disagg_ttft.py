@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 from reuse_ttft import prompts_from
-from harness.vllm import ServerProcessForVLLM, document_tokens, model_dir, run_vllm
+from kvtier_harness.vllm import ServerProcessForVLLM, document_tokens, model_dir, run_vllm
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Two nodes behind NVIDIA Dynamo's frontend: KV-aware routing that sees kvtier's tiers vs round-robin.
 
-The deployment is ``examples/dynamo/two_nodes.sh`` (harness/dynamo_deploy.py): two kvtier servers, each with
+The deployment is ``examples/dynamo/two_nodes.sh`` (kvtier_harness/dynamo_deploy.py): two kvtier servers, each with
 its own ``dynamo.vllm`` worker (KVTierConnector; the worker announces what its server holds in its own KV event
 stream), one ``dynamo.frontend``. It runs twice in the same invocation, once per router mode (``--router-mode kv``
 and ``round-robin``), with the same prompts in the same order.
@@ -47,9 +47,9 @@ from pathlib import Path
 import httpx
 
 from corpus import Corpus
-from harness.dynamo_deploy import REPO, TwoNodes
-from harness.metrics import scrape
-from harness.vllm import model_dir
+from kvtier_harness.dynamo_deploy import REPO, TwoNodes
+from kvtier_harness.metrics import scrape
+from kvtier_harness.vllm import model_dir
 from report import RESULTS_DIR
 
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness.kvtier_server import ServerProcess
+from kvtier_harness.kvtier_server import ServerProcess
 
 from kvtier.client import Client
 from kvtier.connectors.device_copy import DeviceCopier

@@ -53,8 +53,8 @@ import httpx
 
 from charts import multi_round_qa_chart
 from corpus import Corpus, CorpusExhausted, candidate_files
-from harness.metrics import total
-from harness.vllm import REPO, ServerProcessForVLLM, LMCacheServer, lmcache_missing, model_dir
+from kvtier_harness.metrics import total
+from kvtier_harness.vllm import REPO, ServerProcessForVLLM, LMCacheServer, lmcache_missing, model_dir
 from report import RESULTS_DIR, Refused, commit_line, finish, mean, nearest_rank
 from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters, send
 

@@ -44,7 +44,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from harness.vllm import (
+from kvtier_harness.vllm import (
     REPO,
     LMCacheServer,
     ServerProcessForVLLM,

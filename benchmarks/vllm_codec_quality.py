@@ -35,9 +35,9 @@ import httpx
 from transformers import AutoTokenizer
 
 from corpus import Corpus
-from harness.metrics import metric_sum
-from harness.service_proc import wait_for
-from harness.vllm import OpenAIServer, ServerProcessForVLLM, model_dir
+from kvtier_harness.metrics import metric_sum
+from kvtier_harness.service_proc import wait_for
+from kvtier_harness.vllm import OpenAIServer, ServerProcessForVLLM, model_dir
 from kvtier.codecs import get_codec
 
 CHUNK = 256

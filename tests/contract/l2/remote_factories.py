@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import services
+from kvtier_harness import services
 
 from kvtier.l2.base import L2Adapter, create_adapter  # noqa: E402
 

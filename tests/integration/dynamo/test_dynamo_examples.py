@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness.service_proc import free_port
-from harness.vllm import document_tokens, model_dir, require_vllm
+from kvtier_harness.service_proc import free_port
+from kvtier_harness.vllm import document_tokens, model_dir, require_vllm
 from support.server import metric_value
 from support.dynamo_procs import DYNAMO_PYTHON, MODEL_NAME, Deployment, RouterProbe, require_dynamo
 

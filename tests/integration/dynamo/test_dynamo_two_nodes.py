@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from harness.dynamo_deploy import VLLM_BLOCK_TOKENS as BLOCK
-from harness.dynamo_deploy import TwoNodes
+from kvtier_harness.dynamo_deploy import VLLM_BLOCK_TOKENS as BLOCK
+from kvtier_harness.dynamo_deploy import TwoNodes
 from support.dynamo_procs import RouterProbe, require_dynamo
 from support.server import wait_for
 

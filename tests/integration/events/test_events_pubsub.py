@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from harness.service_proc import free_port
+from kvtier_harness.service_proc import free_port
 from kvtier.cache import KVCache
 from kvtier.config import KVEventsConfig, build_config
 from kvtier.errors import KVTierError

@@ -9,7 +9,7 @@ import torch
 import xxhash
 from support.server import CHUNK, LAYOUT
 
-from harness import services
+from kvtier_harness import services
 
 from kvtier.cache import KVCache
 from kvtier.config import build_config

@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.server import CHUNK, LAYOUT
 
-from harness import services
+from kvtier_harness import services
 
 from kvtier.cache import KVCache  # noqa: E402
 from kvtier.config import build_config  # noqa: E402

@@ -9,7 +9,7 @@ from contextlib import closing
 import pytest
 from azure.storage.blob import BlobServiceClient
 
-from harness import services
+from kvtier_harness import services
 import test_l2_remote_s3 as common  # noqa: E402 - the record helpers and checks all remote adapters share
 from test_l2_remote_s3 import payload_of, record  # noqa: E402
 

@@ -9,7 +9,7 @@ from contextlib import closing
 import numpy as np
 import pytest
 
-from harness import services
+from kvtier_harness import services
 
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.hashing import prefix_hashes  # noqa: E402

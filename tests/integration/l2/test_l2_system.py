@@ -22,7 +22,7 @@ import pytest
 import torch
 from support.server import CHUNK, LAYOUT, ServerProc, metric_value
 
-from harness import services
+from kvtier_harness import services
 
 from kvtier.cache import KVCache
 from kvtier.config import KVTierConfig

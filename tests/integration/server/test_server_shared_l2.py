@@ -14,7 +14,7 @@ import pytest
 import torch
 from support.server import CHUNK, ServerProc
 
-from harness import services
+from kvtier_harness import services
 from kvtier.client import Client
 from test_server_promotion import HANG_SECONDS, LAYOUT, counter, prompt
 

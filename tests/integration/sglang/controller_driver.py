@@ -19,8 +19,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from harness.service_proc import free_port
-from harness.sglang_pools import fill_pages, page_bytes, page_keys
+from kvtier_harness.service_proc import free_port
+from kvtier_harness.sglang_pools import fill_pages, page_bytes, page_keys
 
 P, LAYERS, HEADS, DIM, TOKENS, PAGES = 16, 4, 2, 32, 1024, 12
 

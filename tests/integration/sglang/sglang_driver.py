@@ -1,6 +1,6 @@
 """Run by the SGLang tests with the SGLang environment's python (``.venv-sglang``): SGLang's real storage parts.
 
-Reads a JSON list of cases from argv[1]; each case builds a real host pool (``harness.sglang_pools``: MHA or MLA,
+Reads a JSON list of cases from argv[1]; each case builds a real host pool (``kvtier_harness.sglang_pools``: MHA or MLA,
 ``page_first`` or ``layer_first``) and a backend through SGLang's own factory (``dynamic`` + the case's extra
 config), then runs its ops in order, calling the backend the way SGLang's cache controller does (batches of
 ``STORAGE_BATCH_SIZE`` pages, ``HiCacheStorageExtraInfo.prefix_keys``), and prints ``RESULT <json>``: per case,
@@ -23,8 +23,8 @@ import time
 import torch
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageExtraInfo
 
-from harness.sglang_pools import attach, fill_pages, hash_str_to_int64, mha_pool, mla_pool, page_bytes, page_keys
-from harness.sglang_pools import storage_config
+from kvtier_harness.sglang_pools import attach, fill_pages, hash_str_to_int64, mha_pool, mla_pool, page_bytes, page_keys
+from kvtier_harness.sglang_pools import storage_config
 
 
 def digests(pool, indices) -> list[str]:

@@ -5,8 +5,8 @@ write-back and one prefetch through the controller's own backup, prefetch and IO
 
 from __future__ import annotations
 
-from harness.kvtier_server import ServerProcess
-from harness.sglang import require_sglang, run_json
+from kvtier_harness.kvtier_server import ServerProcess
+from kvtier_harness.sglang import require_sglang, run_json
 
 
 def test_sglangs_cache_controller_writes_back_and_prefetches_through_kvtier(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from harness.sglang import REPO, run_json
+from kvtier_harness.sglang import REPO, run_json
 
 
 def test_the_launch_example_parses_with_sglangs_server_args():

@@ -19,10 +19,10 @@ import msgspec
 import pytest
 import zmq
 
-from harness.kvtier_server import ServerProcess
-from harness.metrics import metric_value
-from harness.service_proc import free_port
-from harness.sglang import require_sglang, run_json, sglang_env
+from kvtier_harness.kvtier_server import ServerProcess
+from kvtier_harness.metrics import metric_value
+from kvtier_harness.service_proc import free_port
+from kvtier_harness.sglang import require_sglang, run_json, sglang_env
 
 DRIVER = "tests/integration/sglang/sglang_driver.py"
 TOKEN = "sglang-test-admin"

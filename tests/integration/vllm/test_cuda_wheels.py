@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.vllm import require_vllm
+from kvtier_harness.vllm import require_vllm
 
 from kvtier.connectors.vllm_cuda_layouts import ATTENTION_BACKENDS, CACHE_DTYPES, KV_CACHE_LAYOUTS
 from tests.support import vllm_wheels as wheels

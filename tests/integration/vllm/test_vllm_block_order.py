@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.vllm import require_vllm
+from kvtier_harness.vllm import require_vllm
 
 ORACLE = Path(__file__).with_name("vllm_block_order_oracle.py")
 

@@ -15,7 +15,7 @@ import re
 import threading
 
 import pytest
-from harness.vllm import ServerProcessForVLLM, document_tokens, free_port, model_dir, run_vllm
+from kvtier_harness.vllm import ServerProcessForVLLM, document_tokens, free_port, model_dir, run_vllm
 from support.server import wait_for
 from test_vllm_support import assert_same_output, by_prompt
 

@@ -19,7 +19,7 @@ import pytest
 from support.dynamo_procs import start_kvtier_server
 from support.server import LAYOUT
 
-from harness.vllm import OpenAIServer, require_vllm
+from kvtier_harness.vllm import OpenAIServer, require_vllm
 from kvtier.client import Client
 from kvtier.events.subscriber import Subscriber
 

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.vllm import require_vllm
+from kvtier_harness.vllm import require_vllm
 
 from kvtier.layout import KVLayout
 

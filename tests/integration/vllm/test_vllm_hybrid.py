@@ -20,8 +20,8 @@ import httpx
 import pytest
 from test_vllm_support import assert_same_output, by_prompt
 
-from harness.metrics import metric_sum
-from harness.vllm import ServerProcessForVLLM, document_tokens, gemma3_dir, run_vllm
+from kvtier_harness.metrics import metric_sum
+from kvtier_harness.vllm import ServerProcessForVLLM, document_tokens, gemma3_dir, run_vllm
 
 pytestmark = pytest.mark.model
 CHUNK = 256

@@ -14,7 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from harness.vllm import model_dir, require_vllm
+from kvtier_harness.vllm import model_dir, require_vllm
 
 ORACLE = Path(__file__).with_name("vllm_identity_oracle.py")
 

@@ -5,8 +5,8 @@ server, SmolLM2 fp32, vLLM's own prefix cache off, a real kvtier server). Prompt
 from __future__ import annotations
 
 import pytest
-from harness.metrics import metric_sum
-from harness.vllm import ServerProcessForVLLM, OpenAIServer, document_tokens, model_dir
+from kvtier_harness.metrics import metric_sum
+from kvtier_harness.vllm import ServerProcessForVLLM, OpenAIServer, document_tokens, model_dir
 from test_vllm_support import assert_same_reply, cached_tokens
 
 pytestmark = pytest.mark.model

@@ -1,4 +1,4 @@
-"""Assertions shared by the vLLM integration tests (the processes they start are in ``harness.vllm``)."""
+"""Assertions shared by the vLLM integration tests (the processes they start are in ``kvtier_harness.vllm``)."""
 
 from __future__ import annotations
 

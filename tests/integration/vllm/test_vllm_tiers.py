@@ -15,8 +15,8 @@ from __future__ import annotations
 import httpx
 import pytest
 from support.server import wait_for
-from harness.metrics import metric_sum
-from harness.vllm import ServerProcessForVLLM, OpenAIServer, document_tokens, model_dir
+from kvtier_harness.metrics import metric_sum
+from kvtier_harness.vllm import ServerProcessForVLLM, OpenAIServer, document_tokens, model_dir
 from test_vllm_support import assert_same_reply, cached_tokens
 
 pytestmark = pytest.mark.model

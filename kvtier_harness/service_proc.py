@@ -1,7 +1,7 @@
 """Processes for test servers: find a binary, start it on a free 127.0.0.1 port, wait until it answers,
 stop it by pid (and kill anything left at interpreter exit).
 
-Split out of ``harness.services``, which imports the names it needs from here.
+Split out of ``kvtier_harness.services``, which imports the names it needs from here.
 """
 
 from __future__ import annotations

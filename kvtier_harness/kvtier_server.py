@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from harness.service_proc import free_port
+from kvtier_harness.service_proc import free_port
 
 
 # servers still running, killed at interpreter exit (a failed assertion or an interrupt leaves none behind)
@@ -115,7 +115,7 @@ class ServerProcess:
         return httpx.get(f"{self.admin}/status", timeout=10, headers=headers).json()
 
     def metrics_text(self) -> str:
-        """``/metrics`` (Prometheus text; ``harness.metrics`` reads it)."""
+        """``/metrics`` (Prometheus text; ``kvtier_harness.metrics`` reads it)."""
         return httpx.get(f"{self.admin}/metrics", timeout=10).text
 
     def clear_l1(self) -> None:

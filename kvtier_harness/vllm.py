@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 
-from harness import kvtier_server
-from harness.kvtier_server import stop_process, wait_healthy
-from harness.service_proc import free_port
+from kvtier_harness import kvtier_server
+from kvtier_harness.kvtier_server import stop_process, wait_healthy
+from kvtier_harness.service_proc import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -57,7 +57,7 @@ def document_tokens(folder: Path) -> list[int]:
 
 
 class ServerProcessForVLLM(kvtier_server.ServerProcess):
-    """``harness.kvtier_server.ServerProcess`` hashing per vLLM CPU's block size (128) by default: the connector
+    """``kvtier_harness.kvtier_server.ServerProcess`` hashing per vLLM CPU's block size (128) by default: the connector
     refuses a server that hashes otherwise."""
 
     def __init__(self, log_dir: Path, chunk_size: int, l1: str = "2GB", block_size: int = 128, **kwargs):

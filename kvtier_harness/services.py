@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.service_proc import (  # noqa: F401 - tests and benchmarks use services.<name>
+from kvtier_harness.service_proc import (  # noqa: F401 - tests and benchmarks use services.<name>
     REPO,
     SERVICES_DIR,
     START_TIMEOUT_SECONDS,

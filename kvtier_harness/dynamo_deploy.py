@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from harness.metrics import scrape
+from kvtier_harness.metrics import scrape
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_NAME = "smollm2"
