@@ -7,6 +7,7 @@ import pytest
 
 from kvtier.errors import InputError
 from kvtier.hints import RetentionHint, check_hint, hint_from_params
+from kvtier.l1.retention import Retention
 from kvtier.l1.store import L1Store
 
 SLOT = 4096
@@ -28,8 +29,7 @@ def put(store, key):
 
 
 def make(policy, slots=8, share=0.5, clock=None):
-    return L1Store(slots * SLOT, policy, retention_max_share=share, session_ttl_seconds=60.0,
-                   clock=clock or Clock())
+    return L1Store(slots * SLOT, policy, retention=Retention(slots * SLOT, share, 60.0, clock or Clock()))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -181,8 +181,8 @@ def test_one_owner_holds_at_most_its_share_and_a_hint_without_ttl_expires_at_the
     """Issue 38 finding 3: per-owner share (the server's principals) inside the global one; a priority hint with no
     TTL lapses after ``default_ttl_seconds`` (``retention_max_ttl_seconds``); a management pin never does."""
     clock = Clock()
-    store = L1Store(8 * SLOT, "LRU", retention_max_share=0.75, clock=clock, retention_max_share_per_owner=0.25,
-                    retention_default_ttl_seconds=100.0)
+    store = L1Store(8 * SLOT, "LRU", retention=Retention(8 * SLOT, 0.75, 300.0, clock, max_owner_share=0.25,
+                                                          default_ttl_seconds=100.0))
     for i in range(6):
         put(store, i)
     assert store.hint([0, 1, 2], RetentionHint(priority=3, owner="key:tenant:a")) == (2, 1)  # 2 of 8 slots

@@ -11,6 +11,7 @@ from kvtier.codecs.policy import CodecPolicy
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey
+from kvtier.l1.retention import Retention
 from kvtier.l1.store import L1Store
 from kvtier.l2 import create_adapter
 from kvtier.l2.tier import L2Tier
@@ -37,11 +38,10 @@ class Tiers:
             publisher = EventPublisher(config.kv_events, metrics=self.metrics, auth=auth) if publish_events else None
             self.events = EventEmitter(config, publisher=publisher)
         adapters = [create_adapter(spec) for spec in config.l2_adapters]
-        self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name,
-                          retention_max_share=config.l1_retention_max_share,
-                          session_ttl_seconds=config.session_ttl_seconds,
-                          retention_max_share_per_owner=config.l1_retention_max_share_per_principal,
-                          retention_default_ttl_seconds=config.retention_max_ttl_seconds)
+        retention = Retention(config.l1_size_bytes, config.l1_retention_max_share, config.session_ttl_seconds,
+                              max_owner_share=config.l1_retention_max_share_per_principal,
+                              default_ttl_seconds=config.retention_max_ttl_seconds)
+        self.l1 = L1Store(config.l1_size_bytes, config.eviction_policy, shm_name=shm_name, retention=retention)
         self.l1.on_evict = self._on_l1_evict
         self.memo = LookupMemo(config.lookup_memo_max_bytes)
         record_key = RecordKeys(config.l2_record_key.get_secret_value().encode() if config.l2_record_key else None,

@@ -18,7 +18,7 @@ Not thread-safe on its own: ``L1Store`` calls it under its lock. Times come from
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.errors import InputError
@@ -130,6 +130,28 @@ class Retention:
         if held is None or not self.live(held, now):
             return None
         return MAX_PRIORITY + 1 if held.pinned else held.priority
+
+    def eviction_order(self, victims: Iterable[Hashable], pins: Callable[[Hashable], int | None]) -> Iterator[Hashable]:
+        """The keys to evict, in order, from ``victims`` (the policy's order; evicting a yielded key meanwhile is
+        fine): unprotected ones (no hint, or an expired one) first; then, unless one of those was only pinned for
+        a moment (a read, an L2 write: then nothing more), hinted ones by priority, lowest first; a management pin
+        never. ``pins(key)``: the key's pins, None once it is gone; a pinned key is never yielded."""
+        now = self.clock() if self._held else None
+        protected: list[tuple[int, Hashable]] = []
+        busy = False
+        for key in victims:
+            rank = None if now is None else self.protection(key, now)
+            if rank is not None:
+                protected.append((rank, key))
+            elif pins(key):
+                busy = True  # the policy rotates it and offers the next one
+            else:
+                yield key
+        if busy:
+            return
+        for rank, key in sorted(protected, key=lambda p: p[0]):
+            if rank <= MAX_PRIORITY and pins(key) == 0:
+                yield key
 
     def get(self, key: Hashable) -> _Held | None:
         return self._held.get(key)

@@ -13,12 +13,8 @@ and not yet released) are never evicted. ``remove`` of a pinned entry hides it a
 slot at the last ``release``; its key can be reserved again at once, in another slot (a pin is released by
 key *and* offset, so the old slot's readers and the new one's never release each other's pins).
 
-Quarantine (``kvtier.l1.quarantine``): ``quarantine(key)`` takes a reservation out of the key space without
-freeing its slot, which ``free_quarantined`` frees once its late writer is known to be done or gone; the key
-can be reserved again at once, elsewhere.
-
-Retention hints (``kvtier.l1.retention``, set by ``hint``): unhinted and expired entries are evicted first, then
-hinted ones by priority unless an unhinted one is only pinned (the reservation fails then); a management pin never.
+A reservation can be quarantined instead of aborted (``kvtier.l1.quarantine``); entries can carry retention
+hints (``kvtier.l1.retention``, set by ``hint``), which order eviction (``_evict_for``).
 
 Thread-safe: one lock around every method (it guards the hint table and the quarantine too). ``on_evict``
 runs after the lock is released, so it may call back into the store. The bytes of a slot are read and written
@@ -29,14 +25,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import InputError
 from kvtier.l1.arena import Arena, align_up
-from kvtier.hints import MAX_PRIORITY, RetentionHint
+from kvtier.hints import RetentionHint
 from kvtier.l1.policies import make_policy
 from kvtier.l1.quarantine import Quarantine
 from kvtier.l1.retention import Retention
@@ -64,10 +59,8 @@ class L1Store:
         shm_name: back the arena with ``/dev/shm/<shm_name>`` so clients can attach it
             (``kvtier.client.dataplane.SharedMapping(shm_name, capacity_bytes)``) and copy through ``offset(key)``.
         replace_shm: unlink a stale ``/dev/shm/<shm_name>`` instead of refusing to start.
-        retention_max_share: share (0..1) of the budget that chunks under a retention hint may hold
-            (``kvtier.l1.retention``); session_ttl_seconds: TTL of a session hint without one; clock: seconds;
-            retention_max_share_per_owner: the share one hint owner may hold; retention_default_ttl_seconds: TTL of
-            another hint without one (None: none).
+        retention: the hint table (``kvtier.l1.retention.Retention`` over ``capacity_bytes``: its shares, TTLs and
+            clock); None: one with its defaults.
         arena: an arena of ``capacity_bytes`` to use (the simulator's ``l1.arena.VirtualArena``); None: a new one.
 
     Keys are any hashable (the cache uses ``kvtier.keys.ChunkKey``); ``meta`` is any object kept with the entry
@@ -80,13 +73,9 @@ class L1Store:
     """
 
     def __init__(self, capacity_bytes: int, policy: str = "LRU", shm_name: str | None = None,
-                 *, replace_shm: bool = False, retention_max_share: float = 0.5,
-                 session_ttl_seconds: float = 300.0, clock=time.monotonic, arena: Arena | None = None,
-                 retention_max_share_per_owner: float = 1.0, retention_default_ttl_seconds: float | None = None):
+                 *, replace_shm: bool = False, retention: Retention | None = None, arena: Arena | None = None):
         self._policy = make_policy(policy)
-        self.retention = Retention(capacity_bytes, retention_max_share, session_ttl_seconds, clock,
-                                   max_owner_share=retention_max_share_per_owner,
-                                   default_ttl_seconds=retention_default_ttl_seconds)
+        self.retention = retention if retention is not None else Retention(capacity_bytes)
         self.policy_name = self._policy.name
         self.arena = arena if arena is not None else Arena(capacity_bytes, shm_name, replace=replace_shm)
         self.shm_name = shm_name
@@ -130,29 +119,16 @@ class L1Store:
         return view
 
     def _evict_for(self, nbytes: int, evicted: list) -> int | None:
-        # unprotected chunks (no hint, or an expired one) first, in policy order; then, unless one was only pinned
-        # for a moment (a read, an L2 write: then None), hinted ones by priority; a management pin never
-        need, busy = align_up(nbytes), False
-        now = self.retention.clock() if len(self.retention) else None
-        protected: list[tuple[int, Hashable]] = []
-        for victim in self._policy.victims():
-            entry = self._entries[victim]
-            rank = None if now is None else self.retention.protection(victim, now)
-            if rank is not None:
-                protected.append((rank, victim))
-            elif entry.pins:
-                busy = True  # the policy rotates it and offers the next one
-            elif self._evict_one(victim, entry, evicted) >= need:
-                return self.arena.alloc(nbytes)
-        if busy:
-            return None
-        for rank, victim in sorted(protected, key=lambda p: p[0]):
-            entry = self._entries.get(victim)
-            if rank > MAX_PRIORITY or entry is None or entry.pins:
-                continue
-            if self._evict_one(victim, entry, evicted) >= need:
+        """Evict in ``Retention.eviction_order`` until a slot of ``nbytes`` fits; its offset, or None."""
+        need = align_up(nbytes)
+        for victim in self.retention.eviction_order(self._policy.victims(), self._pins):
+            if self._evict_one(victim, self._entries[victim], evicted) >= need:
                 return self.arena.alloc(nbytes)
         return None
+
+    def _pins(self, key: Hashable) -> int | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.pins
 
     def _evict_one(self, victim: Hashable, entry: _Entry, evicted: list) -> int:
         del self._entries[victim]
@@ -218,12 +194,16 @@ class L1Store:
         Safe to call from error paths. The view returned by ``reserve`` must not be used after.
         """
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.committed:
-                return False
-            del self._entries[key]
-            self.arena.free(entry.offset)
-            return True
+            entry = self._take_reservation(key)
+            if entry is not None:
+                self.arena.free(entry.offset)
+            return entry is not None
+
+    def _take_reservation(self, key: Hashable) -> _Entry | None:
+        entry = self._entries.get(key)
+        if entry is None or entry.committed:
+            return None
+        return self._entries.pop(key)
 
     def quarantine(self, key: Hashable) -> int | None:
         """Take the reservation of ``key`` out of the key space but keep its slot allocated; returns a token
@@ -233,11 +213,8 @@ class L1Store:
         only change bytes nobody reads. ``key`` can be reserved again at once (in another slot).
         """
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.committed:
-                return None
-            del self._entries[key]
-            return self._quarantine.hold(entry.offset)
+            entry = self._take_reservation(key)
+            return None if entry is None else self._quarantine.hold(entry.offset)
 
     def free_quarantined(self, token: int) -> bool:
         """Free the slot of a ``quarantine`` token; False when the token is unknown (already freed)."""
@@ -399,7 +376,4 @@ class L1Store:
                 callback(evicted)
             except Exception:
                 log.exception("L1 on_evict callback failed for %d evicted entries", len(evicted))
-
-    def __repr__(self) -> str:
-        return f"L1Store({self.policy_name}, {self._num_chunks} chunks, {self.arena.used_bytes}/{self.capacity_bytes} bytes)"
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvtier.hints import RetentionHint
 from kvtier.l1.arena import VirtualArena
+from kvtier.l1.retention import Retention
 from kvtier.l1.store import L1Store
 from kvtier.l2.disk_index import DiskIndex
 from kvtier.trace.format import TraceHeader, TraceRecord, read_trace
@@ -119,8 +120,8 @@ class Replay:
     def __post_init__(self) -> None:
         cap = self.config.l1_size_bytes
         h = self.header
-        self.l1 = L1Store(cap, self.config.policy, arena=VirtualArena(cap), retention_max_share=h.l1_retention_max_share,
-                          session_ttl_seconds=h.session_ttl_seconds, clock=lambda: self.now)
+        retention = Retention(cap, h.l1_retention_max_share, h.session_ttl_seconds, lambda: self.now)
+        self.l1 = L1Store(cap, self.config.policy, arena=VirtualArena(cap), retention=retention)
         self.l1.on_evict = self._l1_evicted
         l2 = self.config.l2_size_bytes
         self.l2 = None if l2 is None else DiskIndex("/nonexistent", 0, l2, "0" * 8, lambda path: True,
