@@ -16,7 +16,8 @@ from kvtier.events.model import (
 )
 from kvtier.events.publisher import EventPublisher, should_bind
 from kvtier.events.replay import END_SEQ
-from kvtier.events.subscriber import BlockIndex, Gap, Subscriber, SubscriberStats
+from kvtier.events.block_index import BlockIndex
+from kvtier.events.subscriber import Gap, Subscriber, SubscriberStats
 
 __all__ = [
     "ENCODINGS", "END_SEQ", "AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "DecodeError",
