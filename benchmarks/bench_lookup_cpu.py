@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_lookup_hol import LAYOUT, MODEL, curve_keys, echo_server, floor_lookup, floor_socket, kv_for
+from bench_lookup_hol import LAYOUT, MODEL, kv_for
+from lookup_floor import curve_keys, echo_server, floor_lookup, floor_socket
 
 from kvtier_harness.kvtier_server import ServerProcess
 from kvtier.client import Client

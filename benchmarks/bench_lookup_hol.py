@@ -58,17 +58,15 @@ from pathlib import Path
 
 import numpy as np
 import redis
-import zmq
 
 from kvtier_harness.kvtier_server import ServerProcess
 from kvtier_harness.metrics import metric_sum
-from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.layout import KVLayout
 from kvtier.zmq_context import Context
+from lookup_floor import CHUNK, curve_keys, echo_server, floor_lookup, floor_socket
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # lookup cost does not depend on the KV size
-CHUNK = 256
 MODEL = "bench-hol"
 
 
@@ -159,53 +157,6 @@ def l2_loop(url: str, pool: list[list[int]], duration: float, rate: float, seed:
             done["retrieves"] += 1
             done["stores"] += 1
     out.put(done)
-
-
-def curve_keys(auth: bool) -> dict | None:
-    """CurveZMQ key pairs for the floor's server and clients (None: no CurveZMQ, as with ``--no-auth``)."""
-    if not auth:
-        return None
-    (server_public, server_secret), (client_public, client_secret) = zmq.curve_keypair(), zmq.curve_keypair()
-    return {"server_public": server_public, "server_secret": server_secret, "client_public": client_public,
-            "client_secret": client_secret}
-
-
-FLOOR_REPLY = P.encode(P.LookupReply(id=1, num_tokens=CHUNK * 8, num_l1_tokens=CHUNK * 2))  # a kvtier reply's size
-
-
-def echo_server(url: str, stop, keys: dict | None = None, reply: bytes = FLOOR_REPLY) -> None:
-    """The floor's server: a bare pyzmq ROUTER answering every request with ``reply`` until ``stop`` is set."""
-    ctx = Context()
-    sock = ctx.socket(zmq.ROUTER)
-    if keys:
-        sock.curve_server, sock.curve_secretkey = True, keys["server_secret"]
-    sock.bind(url)
-    while not stop.is_set():
-        if sock.poll(100):
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                sock.send_multipart([frames[0], reply])
-    sock.close(0)
-    ctx.term()
-
-
-def floor_socket(ctx, url: str, keys: dict | None):
-    """A DEALER to the floor's server (CurveZMQ with ``keys``)."""
-    sock = ctx.socket(zmq.DEALER)
-    if keys:
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
-            keys["server_public"], keys["client_public"], keys["client_secret"])
-    sock.connect(url)
-    return sock
-
-
-def floor_lookup(sock, tokens) -> P.LookupReply:
-    """One floor round trip: the request ``Client.lookup`` would send for ``tokens``, its reply decoded."""
-    sock.send(P.encode(P.Lookup(id=1, tokens=P.pack_tokens(tokens))))
-    return P.decode_reply(sock.recv())
 
 
 def echo_loop(url: str, keys: dict | None, pool: list[list[int]], duration: float, rate: float, interval: float,

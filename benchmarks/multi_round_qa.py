@@ -55,7 +55,7 @@ from charts import multi_round_qa_chart
 from corpus import Corpus, CorpusExhausted, candidate_files
 from kvtier_harness.metrics import total
 from kvtier_harness.vllm import REPO, ServerProcessForVLLM, LMCacheServer, lmcache_missing, model_dir
-from report import RESULTS_DIR, Refused, commit_line, finish, mean, nearest_rank
+from report import RESULTS_DIR, Refused, commit_line, finish, mean, nearest_rank, positive
 from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems, lookup_counters, send
 
 
@@ -254,13 +254,6 @@ def print_ratios(rows: list[dict]) -> None:
                       f"(issue 12 target {targets.get((regime, base), 'none')}), p90 TTFT "
                       f"{k['p90_ttft_seconds'] / b['p90_ttft_seconds']:.3f}, output tokens/s "
                       f"{k['output_tokens_per_second'] / b['output_tokens_per_second']:.3f}")
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 FULL = {"users": 8, "rounds": 3, "context_tokens": 2048, "system_tokens": 256, "max_tokens": 32}

@@ -8,6 +8,7 @@ and what could not be measured, and returns the exit status.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import os
@@ -34,6 +35,14 @@ def mean(values) -> float | str:
 def nearest_rank(sorted_values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``sorted_values`` by the nearest-rank method, rounded to 4 places."""
     return round(sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)], 4)
+
+
+def positive(text: str) -> int:
+    """An argparse type: a positive int."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def commit_line() -> str:
