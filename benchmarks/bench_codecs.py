@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from corpus import Corpus
 from kvtier.codecs import get_codec
-from kvtier.connectors.hf import dynamic_cache_to_kv
+from kvtier.connectors.hf_kv import dynamic_cache_to_kv
 from kvtier.errors import KVTierError
 from kvtier.models import kv_layout_of, load_gemma3, load_smollm2
 

@@ -94,7 +94,7 @@ def model_baseline(prefill_runs: int):
     """(prompt tokens, KV of the prompt, cold prefill seconds, next-token step seconds, tokens agree)."""
     from transformers import DynamicCache
 
-    from kvtier.connectors.hf import dynamic_cache_to_kv, kv_to_dynamic_cache
+    from kvtier.connectors.hf_kv import dynamic_cache_to_kv, kv_to_dynamic_cache
     from kvtier.models import load_smollm2
 
     model, _ = load_smollm2(progress=False)

@@ -40,7 +40,8 @@ from corpus import Corpus
 from kvtier.blend import segments_from_lengths
 from kvtier.cache import KVCache
 from kvtier.config import build_config
-from kvtier.connectors.hf import HFConnector, model_identity_of
+from kvtier.connectors.hf import HFConnector
+from kvtier.connectors.hf_kv import model_identity_of
 from kvtier.connectors.hf_blend import DEFAULT_FRACTION, DEFAULT_HEAD_TOKENS, DEFAULT_REFINE_LAYERS, DEFAULT_WIDEN
 from kvtier.models import kv_layout_of, load_gemma3, load_smollm2
 

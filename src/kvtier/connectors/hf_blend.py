@@ -24,7 +24,7 @@ from kvtier.blend.recompute import blend_prefill, cache_over
 from kvtier.blend.rope import RopeRotator
 from kvtier.blend.segments import validate_segments
 from kvtier.blend.select import check_fraction
-from kvtier.connectors.hf import _chunk_size, dynamic_cache_to_kv
+from kvtier.connectors.hf_kv import chunk_size_of, dynamic_cache_to_kv
 from kvtier.errors import BlendUnsupportedError, InputError
 from kvtier.keys import segment_namespace
 from kvtier.tensors import as_torch
@@ -105,7 +105,7 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
     ids = connector._tokens(input_ids)
     T = ids.shape[1]
     fraction = check_fraction(fraction)
-    segs = validate_segments(segments, T, _chunk_size(connector.cache) or 1)
+    segs = validate_segments(segments, T, chunk_size_of(connector.cache) or 1)
     layout = connector.layout
     _check_knobs(head_tokens, check_layer, refine_layers, widen, layout.num_layers)
     try:

@@ -125,7 +125,8 @@ def run_rag_demo(opts: dict, log=lambda msg: None) -> dict:
     """
     paths = document_paths(opts["documents"], opts["seed"])  # before the slow imports: too few files fail fast
     from kvtier.blend import segments_from_lengths
-    from kvtier.connectors.hf import HFConnector, _chunk_size
+    from kvtier.connectors.hf import HFConnector
+    from kvtier.connectors.hf_kv import chunk_size_of
     from kvtier.models import load_smollm2
 
     with contextlib.ExitStack() as stack:
@@ -136,7 +137,7 @@ def run_rag_demo(opts: dict, log=lambda msg: None) -> dict:
                                              opts["per_question"], opts["seed"])
         cache = stack.enter_context(cleared_cache(model, opts, server_url, admin_token, disk_path))
         connector = HFConnector(model, cache)
-        chunk = _chunk_size(cache) or 1
+        chunk = chunk_size_of(cache) or 1
         short = [p.name for p, d in zip(paths, docs) if len(d) < chunk]
         if short:
             raise KVTierError(f"documents {', '.join(short)} are shorter than one chunk ({chunk} tokens); "

@@ -87,8 +87,8 @@ def open_cache(model, *, server: str | None, chunk_size: int | None, l1_size_gb:
                events: bool = False):
     """A ``kvtier.client.Client`` for the server URL ``server``; else an in-process ``KVCache`` over L1 and
     a local disk tier at ``disk_path``. ``chunk_size`` None: 256 in process; the server's own with a server.
-    Keys name the weights' identity (the converted SmolLM2 folder's, ``hf.model_identity_of``)."""
-    from kvtier.connectors.hf import model_identity_of
+    Keys name the weights' identity (the converted SmolLM2 folder's, ``hf_kv.model_identity_of``)."""
+    from kvtier.connectors.hf_kv import model_identity_of
     from kvtier.models import kv_layout_of
 
     layout = kv_layout_of(model)

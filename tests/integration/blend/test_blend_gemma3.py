@@ -13,7 +13,8 @@ from kvtier.blend.assemble import KVAssembly
 from kvtier.blend.recompute import blend_prefill
 from kvtier.cache import KVCache
 from kvtier.config import build_config
-from kvtier.connectors.hf import HFConnector, dynamic_cache_to_kv
+from kvtier.connectors.hf import HFConnector
+from kvtier.connectors.hf_kv import dynamic_cache_to_kv
 from kvtier.models import kv_layout_of
 
 WINDOW = 16

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvtier.blend import RopeRotator
 from kvtier.blend.assemble import KVAssembly
 from kvtier.blend.recompute import blend_prefill
-from kvtier.connectors.hf import dynamic_cache_to_kv
+from kvtier.connectors.hf_kv import dynamic_cache_to_kv
 from kvtier.errors import BlendUnsupportedError
 from kvtier.models import tiny_model
 

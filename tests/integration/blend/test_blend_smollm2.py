@@ -8,7 +8,8 @@ import torch
 from kvtier.blend import RopeRotator, Segment, segments_from_lengths
 from kvtier.cache import KVCache
 from kvtier.config import build_config
-from kvtier.connectors.hf import HFConnector, dynamic_cache_to_kv
+from kvtier.connectors.hf import HFConnector
+from kvtier.connectors.hf_kv import dynamic_cache_to_kv
 from kvtier.errors import InputError
 from kvtier.keys import segment_namespace
 from kvtier.models import kv_layout_of, load_smollm2

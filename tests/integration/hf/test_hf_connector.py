@@ -17,7 +17,8 @@ from transformers import DynamicCache
 
 from kvtier.cache import KVCache
 from kvtier.config import build_config
-from kvtier.connectors.hf import HFConnector, dynamic_cache_to_kv, kv_to_dynamic_cache, model_identity_of
+from kvtier.connectors.hf import HFConnector
+from kvtier.connectors.hf_kv import dynamic_cache_to_kv, kv_to_dynamic_cache, model_identity_of
 from kvtier.errors import InputError, KVTierError
 from kvtier.identity import model_identity
 from kvtier.models import GEMMA3_INSTALL_HINT, INSTALL_HINT, gemma3_gguf_path, kv_layout_of, smollm2_gguf_path, tiny_model

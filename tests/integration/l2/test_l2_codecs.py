@@ -90,7 +90,7 @@ def test_a_server_refuses_the_clients_of_a_model_its_lossy_writer_may_not_serve_
         with Client(server.url, model="m", layout=LAYOUT) as allowed:
             assert allowed.store(list(range(CHUNK)), bf16_like(CHUNK, 5)) == 1
         log = server.log_path.read_text()
-        assert log.count("WARNING kvtier.server.server: refusing clients of model 'other'") == 1, log[-2000:]
+        assert log.count("WARNING kvtier.server.connections: refusing clients of model 'other'") == 1, log[-2000:]
 
 
 def test_a_corrupted_compressed_record_is_a_miss_deleted_and_counted(tmp_path):
