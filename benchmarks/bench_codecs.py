@@ -35,7 +35,8 @@ from corpus import Corpus
 from kvtier.codecs import get_codec
 from kvtier.connectors.hf_kv import dynamic_cache_to_kv
 from kvtier.errors import KVTierError
-from kvtier.models import kv_layout_of, load_gemma3, load_smollm2
+from kvtier.demo.models import load_gemma3, load_smollm2
+from kvtier.layout import KVLayout
 
 LOADERS = {"smollm2": load_smollm2, "gemma3": load_gemma3}
 SPEED_CODECS = ["none", "zstd", "zstd:shuffle=none", "zstd:level=3", "zstd:level=-1", "lz4", "lz4:shuffle=none",
@@ -135,8 +136,8 @@ def bench_model(name: str, args) -> dict:
     corpus = Corpus(tokenizer, seed=args.seed)
     prefix_tokens = args.chunk_tokens * args.prefix_chunks
     need = prefix_tokens + args.tail_tokens
-    layout32 = kv_layout_of(model, torch.float32)
-    layout16 = kv_layout_of(model, torch.bfloat16)
+    layout32 = KVLayout.from_model(model, torch.float32)
+    layout16 = KVLayout.from_model(model, torch.bfloat16)
     chunks, quality = [], {spec: {"identical": 0, "top1": 0, "positions": 0, "kl_sum": 0.0} for spec in QUALITY_CODECS}
     started = time.perf_counter()
     for i in range(args.prompts if args.only != "speed" else args.ratio_chunks):

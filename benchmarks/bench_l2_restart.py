@@ -95,7 +95,7 @@ def model_baseline(prefill_runs: int):
     from transformers import DynamicCache
 
     from kvtier.connectors.hf_kv import dynamic_cache_to_kv, kv_to_dynamic_cache
-    from kvtier.models import load_smollm2
+    from kvtier.demo.models import load_smollm2
 
     model, _ = load_smollm2(progress=False)
     g = torch.Generator().manual_seed(0)

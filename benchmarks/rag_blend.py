@@ -43,7 +43,8 @@ from kvtier.config import build_config
 from kvtier.connectors.hf import HFConnector
 from kvtier.connectors.hf_kv import model_identity_of
 from kvtier.connectors.hf_blend import DEFAULT_FRACTION, DEFAULT_HEAD_TOKENS, DEFAULT_REFINE_LAYERS, DEFAULT_WIDEN
-from kvtier.models import kv_layout_of, load_gemma3, load_smollm2
+from kvtier.demo.models import load_gemma3, load_smollm2
+from kvtier.layout import KVLayout
 
 NUM_DOCS = 8
 DOC_TOKENS = (512, 1024)
@@ -99,7 +100,7 @@ def full_prefill(model, ids: torch.Tensor):
 
 def run(args) -> dict:
     model, tokenizer = MODELS[args.model][0](progress=False)
-    model_id, layout = model_identity_of(model), kv_layout_of(model)
+    model_id, layout = model_identity_of(model), KVLayout.from_model(model)
     open_cache = lambda size: KVCache(build_config({"chunk_size": CHUNK_SIZE, "l1_size_gb": size}),  # noqa: E731
                                       model_id, layout)
     prefix_conn = HFConnector(model, open_cache("3GiB"), model_id=model_id)

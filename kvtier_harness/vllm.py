@@ -32,8 +32,8 @@ def require_vllm() -> str:
 
 
 def model_dir() -> Path:
-    """The converted SmolLM2 folder (converted on first use by kvtier.models)."""
-    from kvtier.models import SMOLLM2_DIRNAME, load_smollm2, model_cache_dir
+    """The converted SmolLM2 folder (converted on first use by kvtier.demo.models)."""
+    from kvtier.demo.models import SMOLLM2_DIRNAME, load_smollm2, model_cache_dir
 
     folder = model_cache_dir() / SMOLLM2_DIRNAME
     if not (folder / "model.safetensors").exists():
@@ -42,8 +42,8 @@ def model_dir() -> Path:
 
 
 def gemma3_dir() -> Path:
-    """The converted Gemma-3-270M folder (a hybrid model: sliding-window and full attention; kvtier.models)."""
-    from kvtier.models import GEMMA3, converted_model_dir
+    """The converted Gemma-3-270M folder (a hybrid model: sliding-window and full attention; kvtier.demo.models)."""
+    from kvtier.demo.models import GEMMA3, converted_model_dir
 
     return converted_model_dir(GEMMA3)
 

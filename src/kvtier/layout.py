@@ -128,6 +128,20 @@ class KVLayout:
             raise InputError(f"invalid KV layout {data!r}: {exc}") from exc
 
     @classmethod
+    def from_model(cls, model, dtype=None) -> "KVLayout":
+        """The layout of a loaded transformers causal LM (its ``config`` gives layers, KV heads and head dim).
+
+        Args:
+            model: a ``PreTrainedModel``.
+            dtype: torch dtype or dtype name of the KV (default: the model's parameter dtype).
+
+        Raises:
+            InputError: a dtype kvtier does not store.
+        """
+        name = str(model.dtype if dtype is None else dtype).removeprefix("torch.")
+        return cls.from_hf_config(model.config, name)
+
+    @classmethod
     def from_hf_config(cls, config, dtype: str = "float32", tp_size: int = 1, tp_rank: int = 0) -> "KVLayout":
         """Layout of a transformers model config (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``)."""
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

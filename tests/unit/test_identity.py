@@ -17,7 +17,7 @@ from kvtier.hashing import prefix_hashes
 from kvtier.identity import lora_identity, model_identity
 from kvtier.keys import namespace_of
 from kvtier.layout import KVLayout
-from kvtier.models import tiny_model
+from kvtier.demo.models import tiny_model
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
 

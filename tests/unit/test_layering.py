@@ -15,7 +15,7 @@ ROOT = Path(kvtier.__file__).resolve().parent  # the kvtier under test (a worktr
 LEAVES = ("kvtier.errors", "kvtier.units", "kvtier.proc", "kvtier.zmq_context", "kvtier.medium")
 VOCABULARY = ("kvtier.hashing", "kvtier.keys", "kvtier.extra_keys", "kvtier.identity", "kvtier.layout", "kvtier.record",
               "kvtier.tensors", "kvtier.metrics", "kvtier.protocol", "kvtier.shm", "kvtier.config", "kvtier.auth",
-              "kvtier.backend", "kvtier.models", "kvtier.codecs", "kvtier.hints", "kvtier.pages")
+              "kvtier.backend", "kvtier.codecs", "kvtier.hints", "kvtier.pages")
 UPPER = ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
          "kvtier.events", "kvtier.demo", "kvtier.blend", "kvtier.trace")
 # (importers, the modules they must not import); a name covers its submodules
@@ -35,6 +35,8 @@ RULES = [
     (("kvtier.client",), ("kvtier.server", "kvtier.l1", "kvtier.l2", "kvtier.cache", "kvtier.events", "kvtier.connectors",
                           "kvtier.demo")),
     (("kvtier.connectors", "kvtier.demo"), ("kvtier.server",)),
+    # the demo and its model loaders (demo/models.py) sit on top of the connectors, never under them
+    (("kvtier.connectors",), ("kvtier.demo",)),
     (("kvtier.blend",), ("kvtier.cache", "kvtier.l1", "kvtier.l2", "kvtier.server", "kvtier.client", "kvtier.connectors",
                          "kvtier.events", "kvtier.demo")),  # tensors in, tensors out  # they reach a server over the protocol only
 ]

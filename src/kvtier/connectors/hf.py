@@ -25,7 +25,7 @@ from kvtier.errors import InputError, KVTierError
 from kvtier.hashing import as_token_array
 from kvtier.connectors.hf_blend import prefill_segments
 from kvtier.connectors.hf_kv import chunk_size_of, dynamic_cache_to_kv, kv_to_dynamic_cache, model_identity_of
-from kvtier.models import kv_layout_of
+from kvtier.layout import KVLayout
 
 
 class HFConnector:
@@ -47,7 +47,7 @@ class HFConnector:
     def __init__(self, model, cache, *, model_id: str | None = None):
         self.model = model
         self.cache = cache
-        self.layout = kv_layout_of(model)
+        self.layout = KVLayout.from_model(model)
         self.model_id = model_id or getattr(cache, "model", None) or (
             model_identity_of(model) if getattr(model.config, "name_or_path", "") else None)
         cache_model = getattr(cache, "model", None)
@@ -57,7 +57,7 @@ class HFConnector:
         cache_layout = getattr(cache, "layout", None)
         if cache_layout is not None and cache_layout != self.layout:
             raise InputError(f"the cache's KV layout {cache_layout} does not match the model's {self.layout}; "
-                             "open the cache with kvtier.models.kv_layout_of(model)")
+                             "open the cache with kvtier.layout.KVLayout.from_model(model)")
 
     def _tokens(self, input_ids) -> torch.Tensor:
         """Validate one prompt (``[T]`` or ``[1, T]`` ints, T >= 1) and return it as a ``[1, T]`` long tensor."""

@@ -127,7 +127,7 @@ def run_rag_demo(opts: dict, log=lambda msg: None) -> dict:
     from kvtier.blend import segments_from_lengths
     from kvtier.connectors.hf import HFConnector
     from kvtier.connectors.hf_kv import chunk_size_of
-    from kvtier.models import load_smollm2
+    from kvtier.demo.models import load_smollm2
 
     with contextlib.ExitStack() as stack:
         server_url, admin_token, disk_path = stack.enter_context(cache_place(opts, log))

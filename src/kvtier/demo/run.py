@@ -3,7 +3,7 @@
 Round 1 prefills the whole prompt (cold). Round 2 asks the round-1 question again and later rounds ask
 new questions; all reuse the document prefix from kvtier. Then a second OS process (``python -m kvtier
 demo --child ...``) answers a new question over the same document, reusing the prefix through the local
-disk tier (or through the server given by ``--server``). Model: SmolLM2-135M-Instruct (``kvtier.models``).
+disk tier (or through the server given by ``--server``). Model: SmolLM2-135M-Instruct (``kvtier.demo.models``).
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ def open_cache(model, *, server: str | None, chunk_size: int | None, l1_size_gb:
     a local disk tier at ``disk_path``. ``chunk_size`` None: 256 in process; the server's own with a server.
     Keys name the weights' identity (the converted SmolLM2 folder's, ``hf_kv.model_identity_of``)."""
     from kvtier.connectors.hf_kv import model_identity_of
-    from kvtier.models import kv_layout_of
+    from kvtier.layout import KVLayout
 
-    layout = kv_layout_of(model)
+    layout = KVLayout.from_model(model)
     model_id = model_identity_of(model)
     if server:
         from kvtier.client import Client
@@ -111,7 +111,7 @@ def open_cache(model, *, server: str | None, chunk_size: int | None, l1_size_gb:
 
 
 def _cache_environ() -> dict[str, str]:
-    # KVTIER_MODEL_CACHE belongs to kvtier.models, not to the cache configuration tree
+    # KVTIER_MODEL_CACHE belongs to kvtier.demo.models, not to the cache configuration tree
     return {k: v for k, v in os.environ.items() if k != "KVTIER_MODEL_CACHE"}
 
 
@@ -263,7 +263,7 @@ def run_demo(opts: dict, log=lambda msg: None) -> dict:
     """
     document_path = find_document(opts["document"])  # before the slow imports: a bad path fails fast
     from kvtier.connectors.hf import HFConnector
-    from kvtier.models import load_smollm2
+    from kvtier.demo.models import load_smollm2
 
     mode = opts["server"] or "auto"
     with contextlib.ExitStack() as stack:
@@ -303,7 +303,7 @@ def run_demo(opts: dict, log=lambda msg: None) -> dict:
 def run_child_round(opts: dict) -> None:
     """The second process: answer one new question, reusing the document prefix; print one JSON line."""
     from kvtier.connectors.hf import HFConnector
-    from kvtier.models import load_smollm2
+    from kvtier.demo.models import load_smollm2
 
     model, tokenizer = load_smollm2(progress=False)
     _warm_up(model, opts.get("threads"))

@@ -13,13 +13,14 @@ from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.connectors.hf import HFConnector
 from kvtier.errors import BlendUnsupportedError
-from kvtier.models import kv_layout_of, tiny_model
+from kvtier.demo.models import tiny_model
+from kvtier.layout import KVLayout
 
 CHUNK = 16
 
 
 def _cache(model, model_id="tiny", tiers=None):
-    return KVCache(build_config({"chunk_size": CHUNK, "l1_size_gb": "64MiB"}), model_id, kv_layout_of(model),
+    return KVCache(build_config({"chunk_size": CHUNK, "l1_size_gb": "64MiB"}), model_id, KVLayout.from_model(model),
                    tiers=tiers)
 
 

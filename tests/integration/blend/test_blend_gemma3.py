@@ -15,7 +15,7 @@ from kvtier.cache import KVCache
 from kvtier.config import build_config
 from kvtier.connectors.hf import HFConnector
 from kvtier.connectors.hf_kv import dynamic_cache_to_kv
-from kvtier.models import kv_layout_of
+from kvtier.layout import KVLayout
 
 WINDOW = 16
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -95,14 +95,14 @@ def test_full_recompute_over_wrong_kv_equals_full_prefill():
 
 @pytest.fixture(scope="module")
 def gemma3():
-    from kvtier.models import load_gemma3
+    from kvtier.demo.models import load_gemma3
 
     model, _ = load_gemma3(progress=False)
     return model
 
 
 def _cache(model, chunk=64):
-    return KVCache(build_config({"chunk_size": chunk, "l1_size_gb": "512MiB"}), "gemma3", kv_layout_of(model))
+    return KVCache(build_config({"chunk_size": chunk, "l1_size_gb": "512MiB"}), "gemma3", KVLayout.from_model(model))
 
 
 @pytest.mark.model

@@ -13,7 +13,7 @@ from kvtier.blend.assemble import KVAssembly
 from kvtier.blend.recompute import blend_prefill
 from kvtier.connectors.hf_kv import dynamic_cache_to_kv
 from kvtier.errors import BlendUnsupportedError
-from kvtier.models import tiny_model
+from kvtier.demo.models import tiny_model
 
 
 def _llama(num_layers=4, attn="sdpa"):

@@ -12,7 +12,8 @@ from kvtier.connectors.hf import HFConnector
 from kvtier.connectors.hf_kv import dynamic_cache_to_kv
 from kvtier.errors import InputError
 from kvtier.keys import segment_namespace
-from kvtier.models import kv_layout_of, load_smollm2
+from kvtier.demo.models import load_smollm2
+from kvtier.layout import KVLayout
 
 CHUNK = 64
 pytestmark = pytest.mark.model
@@ -25,7 +26,7 @@ def smol():
 
 
 def _cache(model, model_id="smol"):
-    return KVCache(build_config({"chunk_size": CHUNK, "l1_size_gb": "256MiB"}), model_id, kv_layout_of(model))
+    return KVCache(build_config({"chunk_size": CHUNK, "l1_size_gb": "256MiB"}), model_id, KVLayout.from_model(model))
 
 
 def _ids(n, seed):
@@ -100,11 +101,11 @@ def test_segment_keys_differ_from_prefix_keys_and_by_model(smol):
     _, seg = cache.chunk_refs(tokens, segment_namespace(""))
     assert {r.key for r in prefix}.isdisjoint({r.key for r in seg})
     assert {r.key.prefix_hash for r in prefix}.isdisjoint({r.key.prefix_hash for r in seg})
-    kv = torch.zeros(kv_layout_of(smol).chunk_shape(len(tokens)))
+    kv = torch.zeros(KVLayout.from_model(smol).chunk_shape(len(tokens)))
     cache.store(tokens, kv, segment_namespace(""))
     assert cache.lookup(tokens, segment_namespace("")) == len(tokens)
     assert cache.lookup(tokens) == 0
-    other = KVCache(build_config({"chunk_size": CHUNK}), "other-model", kv_layout_of(smol), tiers=cache.tiers)
+    other = KVCache(build_config({"chunk_size": CHUNK}), "other-model", KVLayout.from_model(smol), tiers=cache.tiers)
     assert other.lookup(tokens, segment_namespace("")) == 0
 
 

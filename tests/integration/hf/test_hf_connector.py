@@ -21,7 +21,8 @@ from kvtier.connectors.hf import HFConnector
 from kvtier.connectors.hf_kv import dynamic_cache_to_kv, kv_to_dynamic_cache, model_identity_of
 from kvtier.errors import InputError, KVTierError
 from kvtier.identity import model_identity
-from kvtier.models import GEMMA3_INSTALL_HINT, INSTALL_HINT, gemma3_gguf_path, kv_layout_of, smollm2_gguf_path, tiny_model
+from kvtier.demo.models import GEMMA3_INSTALL_HINT, INSTALL_HINT, gemma3_gguf_path, smollm2_gguf_path, tiny_model
+from kvtier.layout import KVLayout
 
 CHUNK = 16
 ATOL = 1e-5
@@ -33,7 +34,7 @@ REAL_ATOL = 1e-4
 def _cache(model, tmp_path=None, model_id="tiny", chunk_size=CHUNK):
     adapters = [{"type": "local_disk", "path": str(tmp_path)}] if tmp_path else []
     config = build_config({"chunk_size": chunk_size, "l1_size_gb": "64MiB", "l2_adapters": adapters})
-    return KVCache(config, model_id, kv_layout_of(model))
+    return KVCache(config, model_id, KVLayout.from_model(model))
 
 
 def _prompt(length, seed=0, vocab=1024):
@@ -63,7 +64,7 @@ def tiny():
 def test_kv_conversion_round_trip(tiny):
     _, past = _full_prefill(tiny, _prompt(40))
     kv = dynamic_cache_to_kv(past, 40)
-    assert tuple(kv.shape) == kv_layout_of(tiny).chunk_shape(40)
+    assert tuple(kv.shape) == KVLayout.from_model(tiny).chunk_shape(40)
     assert kv.is_contiguous()
     # token 7 of layer 1's values, head 1, lives at kv[1, 1, 7, 1] in kvtier's layout
     assert torch.equal(kv[1, 1, 7, 1], past.layers[1].values[0, 1, 7])
@@ -146,12 +147,13 @@ _CHILD = textwrap.dedent("""
     from kvtier.cache import KVCache
     from kvtier.config import build_config
     from kvtier.connectors.hf import HFConnector
-    from kvtier.models import kv_layout_of, tiny_model
+    from kvtier.demo.models import tiny_model
+    from kvtier.layout import KVLayout
     disk, tokens, chunk_size = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     model = tiny_model(seed=0)
     config = build_config({"chunk_size": chunk_size, "l1_size_gb": "64MiB",
                            "l2_adapters": [{"type": "local_disk", "path": disk}]})
-    cache = KVCache(config, "tiny", kv_layout_of(model))
+    cache = KVCache(config, "tiny", KVLayout.from_model(model))
     logits, _, stats = HFConnector(model, cache).prefill(tokens)
     out, _ = HFConnector(model, cache).generate(tokens, 12)
     cache.close()
@@ -242,13 +244,13 @@ def test_missing_model_package_names_the_pip_command():
 
 @pytest.mark.model
 def test_gemma3_is_a_hybrid_sliding_window_model():
-    from kvtier.models import load_gemma3
+    from kvtier.demo.models import load_gemma3
 
     model, tokenizer = load_gemma3(progress=False)
     cfg = model.config
     assert type(model).__name__ == "Gemma3ForCausalLM" and cfg.sliding_window == 512
     assert [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"] == [5, 11, 17]
-    assert kv_layout_of(model).to_dict() == {"num_layers": 18, "num_kv_heads": 1, "head_dim": 256,
+    assert KVLayout.from_model(model).to_dict() == {"num_layers": 18, "num_kv_heads": 1, "head_dim": 256,
                                              "dtype": "float32", "tp_size": 1, "tp_rank": 0}
     ids = torch.tensor([tokenizer("The capital of France is").input_ids])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
@@ -258,7 +260,7 @@ def test_gemma3_is_a_hybrid_sliding_window_model():
 @pytest.mark.model
 def test_real_smollm2_reuse_matches_full_prefill(tmp_path):
     from kvtier.demo.run import build_prompt, find_document, read_document
-    from kvtier.models import load_smollm2
+    from kvtier.demo.models import load_smollm2
 
     model, tokenizer = load_smollm2(progress=False)
     document = read_document(tokenizer, find_document(None), max_tokens=350)
@@ -285,13 +287,13 @@ def test_real_smollm2_reuse_matches_full_prefill(tmp_path):
 
 @pytest.mark.model
 def test_smollm2_conversion_from_the_gguf_into_a_fresh_folder(tmp_path):
-    from kvtier.models import SMOLLM2_DIRNAME, load_smollm2
+    from kvtier.demo.models import SMOLLM2_DIRNAME, load_smollm2
 
     fresh, fresh_tokenizer = load_smollm2(progress=False, cache_dir=tmp_path)
     folder = tmp_path / SMOLLM2_DIRNAME
     assert (folder / "model.safetensors").stat().st_size > 500_000_000
     assert not [p for p in tmp_path.iterdir() if p.name != SMOLLM2_DIRNAME]  # no temp folder left behind
-    assert kv_layout_of(fresh).to_dict() == {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
+    assert KVLayout.from_model(fresh).to_dict() == {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
                                              "dtype": "float32", "tp_size": 1, "tp_rank": 0}
     assert fresh_tokenizer.eos_token == "<|im_end|>"
     # a second load reads the converted folder and gives the same weights

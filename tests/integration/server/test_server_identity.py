@@ -14,7 +14,7 @@ from support.server import CHUNK, LAYOUT, ServerProc, authenticated
 from kvtier.extra_keys import block_extra_keys
 from kvtier.identity import model_identity
 from kvtier.keys import namespace_of
-from kvtier.models import tiny_model
+from kvtier.demo.models import tiny_model
 from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.proc import host_id

@@ -14,7 +14,7 @@ from support.server import CHUNK, CHUNK_BYTES, LAYOUT, ServerProc, kvtier_cmd
 from kvtier.cli import cli
 from kvtier.client import Client
 from kvtier.hints import RetentionHint
-from kvtier.models import SMOLLM2, converted_model_dir
+from kvtier.demo.models import SMOLLM2, converted_model_dir
 
 TOKEN = "cli-token"
 TEXT = "The management API shows which tier holds each chunk of a prompt. " * 8

