@@ -2,7 +2,7 @@
 that make the benchmark mean what it says.
 
 Pure arithmetic on nominal token counts: no tokenizer, no engine, no imports from the other benchmark modules, so
-``tests/unit/test_agent_plan.py`` checks it on its own. Times are seconds from the start of the run ("planned
+``tests/unit/trace/test_agent_plan.py`` checks it on its own. Times are seconds from the start of the run ("planned
 seconds"); the runner sends the requests one at a time in this order, each at its time or as soon as the one before
 it has finished.
 

@@ -191,7 +191,7 @@ def _cbor_head(major: int, n: int) -> bytes:
 #   | MARK <each token> TUPLE MEMOIZE | NONE TUPLE3 MEMOIZE | STOP
 # A token is BININT1 (< 256), BININT2 (< 65536) or BININT (< 2**31, 4 bytes LE). Token ids >= 2**31 (LONG1),
 # blocks of 1-3 tokens (TUPLE1-3), blocks with extra keys and blocks whose pickle would span two frames (>= 64 KiB)
-# go through pickle.dumps itself. tests/unit/test_hashing.py proves the bytes equal pickle.dumps(..., protocol=5).
+# go through pickle.dumps itself. tests/unit/keys/test_hashing.py proves the bytes equal pickle.dumps(..., protocol=5).
 # The table encoders (``_pickle_chain``, ``_cbor_chain``) pay a fixed cost and read 256 KiB tables: below these
 # lengths encoding block by block is faster, much more so in a server whose caches are cold at each request
 # (median µs over 256 / 2,048 / 8,192 tokens, blocks of 16, caches flushed before each call: pickle 45 / 199 / 721

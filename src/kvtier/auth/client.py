@@ -1,7 +1,7 @@
 """The client's side of authentication (``kvtier.auth``): which secret file a socket uses, and what a failed
 CurveZMQ handshake means for the engine's operator (logged once per problem, not once per retry).
 
-Imports no server code: ``kvtier.client`` uses it (tests/unit/test_client_imports.py)."""
+Imports no server code: ``kvtier.client`` uses it (tests/unit/structure/test_client_imports.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """KV cache event types, their wire encodings, and a decoder that reads every known producer.
 
 Source of the formats: shared reference ``events-and-hashing.md`` §1 (vLLM), §3 (SGLang), §7 (decoder
-rules); the golden byte vectors of §1.4 are pinned in ``tests/unit/test_events_model.py``.
+rules); the golden byte vectors of §1.4 are pinned in ``tests/unit/events/test_events_model.py``.
 
 Encodings (``kv_events.encoding``):
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 
 
 def kvtier(*args: str, env: dict | None = None, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -81,7 +81,7 @@ def test_status_timeout_must_be_positive():
 
 
 def test_simulate_a_truncated_trace_is_one_line_naming_it(tmp_path):
-    trace = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "traces" / "multi_user.trace"
+    trace = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "traces" / "multi_user.trace"
     cut = tmp_path / "cut.trace"
     data = trace.read_bytes()
     cut.write_bytes(data[: data.index(b"\n", data.index(b"\n") + 1) + 30])  # the header, a record, a piece

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "agent_plan.py"
+_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "agent_plan.py"
 _spec = importlib.util.spec_from_file_location("kvtier_bench_agent_plan", _PATH)
 agent_plan = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = agent_plan  # dataclasses look their module up by name

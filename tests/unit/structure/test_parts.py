@@ -1,7 +1,8 @@
 """Parts own their state: every ``self.x`` a class of the connectors, the client, the server, the cache, L1, L2 or the
 events reads is set by the class itself (in any method, or in its body: a method, a property, a dataclass field, a
 class attribute) or by a kvtier base class. A mixin that reads what its host sets fails here. Read from the source
-with ``ast``, never executed; a failure names the class, the attribute and the line."""
+with ``ast``, never executed; a failure names the class, the attribute and the line. And no module reads the
+private attributes (``x._name``) that another kvtier module owns: a collaborator uses its partner's public face."""
 
 from __future__ import annotations
 
@@ -114,3 +115,58 @@ def test_every_part_reads_only_what_it_sets_or_inherits():
 def test_the_check_sees_a_mixin():
     mixin = ast.parse("class Mixin:\n    def load(self):\n        return self.backend.get(self.key)\n").body[0]
     assert {attr for attr, _ in _reads(mixin)} - _defined(mixin)[0] == {"backend", "key"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, variables and the attributes it assigns."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {n for n in names if _private(n)}
+
+
+def _foreign_private_reads(trees: dict[str, ast.AST]) -> list[str]:
+    """``x._name`` where ``x`` is not ``self`` / ``cls`` / ``super()`` and ``_name`` belongs to another kvtier module
+    than the reader (a private of a library, e.g. transformers' ``config._commit_hash``, is not kvtier's to rule)."""
+    homes: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        for name in _private_names(tree):
+            homes.setdefault(name, set()).add(module)
+    bad = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or (
+                    isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"):
+                continue
+            if node.attr in homes and module not in homes[node.attr]:
+                bad.append(f"{module}:{node.lineno} reads {ast.unparse(owner)}.{node.attr}, private to "
+                           f"{', '.join(sorted(homes[node.attr]))}")
+    return bad
+
+
+def test_no_module_reads_the_private_attributes_of_another_modules_objects():
+    trees = {str(path.relative_to(ROOT.parent)): ast.parse(path.read_text(), str(path))
+             for path in sorted(ROOT.rglob("*.py"))}
+    bad = _foreign_private_reads(trees)
+    assert bad == [], "private attributes read across modules (make them public or move the code):\n" + "\n".join(bad)
+
+
+def test_the_check_sees_a_private_read_across_modules():
+    owner = ast.parse("class Connector:\n    def __init__(self):\n        self._store = {}\n")
+    reader = ast.parse("def blend(connector):\n    return connector._store, connector.model._commit_hash\n")
+    same = ast.parse("class A:\n    def __init__(self):\n        self._n = 1\n    def eq(self, other):\n"
+                     "        return other._n == self._n\n")
+    bad = _foreign_private_reads({"connector.py": owner, "blend.py": reader, "a.py": same})
+    assert len(bad) == 1 and bad[0].startswith("blend.py:2 reads connector._store")
