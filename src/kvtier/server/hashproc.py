@@ -12,10 +12,15 @@ order. ``HashJob.tokens`` is the prompt as int64 little-endian bytes; ``extra_ke
 (``extra_keys.check_extra_keys``); MessagePack turns their tuples into lists and shared keys into copies; the child rebuilds
 that form (``extra_keys.refreeze_extra_keys``: pickle-based hashes depend on both).
 
-Life cycle: started by the first ``prefix_hashes`` call; the child exits when its stdin closes (the server
-stopped or died). A child that dies, answers garbage or does not answer within ``reply_timeout_seconds`` (stopped,
-swapped out, stuck: it is killed) is restarted by the next call after ``RESTART_BACKOFF_SECONDS``; until then
-``prefix_hashes`` raises ``HashProcessError`` and the caller hashes in process.
+Life cycle: started by ``start()`` (the server's hashing worker calls it when the server starts) or by the first
+``prefix_hashes`` call; its first frame is ``HashReady``, once its imports are done. Until then ``prefix_hashes``
+waits at most ``startup_wait_seconds`` and then raises ``HashProcessError`` (the caller hashes in process): on a
+busy machine a child at a lower priority takes seconds to import, and the first long prompts must not wait for
+it (they did: a store refused after 5 s with a 7 s start). A child not ready within ``STARTUP_LIMIT_SECONDS`` is
+killed. The child exits when its stdin closes (the server stopped or died). A child that dies, answers garbage
+or does not answer within ``reply_timeout_seconds`` (stopped, swapped out, stuck: it is killed) is restarted by
+the next call after ``RESTART_BACKOFF_SECONDS``; until then ``prefix_hashes`` raises ``HashProcessError`` and the
+caller hashes in process.
 Thread-safety: one caller at a time (the hashing worker thread).
 """
 
@@ -40,6 +45,8 @@ from kvtier.hashing import prefix_hashes
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_SECONDS = 5.0
+STARTUP_LIMIT_SECONDS = 60.0  # a child that has not imported by then is stuck, not slow
+CHILD_COMMAND = (sys.executable, "-m", "kvtier.server.hashproc")
 MAX_FRAME_BYTES = 1 << 30
 _LEN = struct.Struct("<I")
 
@@ -52,6 +59,10 @@ class HashJob(msgspec.Struct, tag="job"):
     extra_keys: list | None = None
     include_partial: bool = False
     parent: bytes | None = None  # the digest before tokens[0] (None: the root hash)
+
+
+class HashReady(msgspec.Struct, tag="ready"):
+    """The child's first frame: its imports are done, jobs are answered from now on."""
 
 
 class HashDone(msgspec.Struct, tag="done"):
@@ -124,17 +135,29 @@ class HashProcess:
 
     Args:
         reply_timeout_seconds: the longest wait for one answer; then the child is killed and replaced.
+        startup_wait_seconds: how long ``prefix_hashes`` waits for a child still starting before it raises
+            ``HashProcessError`` (the server passes 0: its first long prompts are hashed in process meanwhile).
         clock: seconds, for the restart backoff; ``time.monotonic`` unless a test drives that time itself (the
             wait for an answer is always real time).
     """
 
-    def __init__(self, reply_timeout_seconds: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, reply_timeout_seconds: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 startup_wait_seconds: float = 30.0) -> None:
         self.reply_timeout_seconds = reply_timeout_seconds
+        self.startup_wait_seconds = startup_wait_seconds
         self.clock = clock
         self._proc: subprocess.Popen | None = None
+        self._ready = False  # the current child has sent HashReady
+        self._started_at = 0.0  # time.monotonic() of the current child's start
         self._failed_at = float("-inf")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(HashDone | HashFailed)
+        self._ready_decoder = msgspec.msgpack.Decoder(HashReady)
+
+    def start(self) -> None:
+        """Start the child now if none runs (it gets ready in the background). Raises HashProcessError when it
+        cannot be started."""
+        self._running()
 
     def prefix_hashes(self, tokens: np.ndarray, block_size: int, algorithm: str, seed: str, extra_keys=None, *,
                       include_partial: bool = False, parent: bytes | None = None) -> list[bytes]:
@@ -142,6 +165,8 @@ class HashProcess:
         by ``extra_keys.check_extra_keys``. Raises InputError as ``prefix_hashes`` does, HashProcessError when the
         child is not available (the caller hashes in process)."""
         proc = self._running()
+        if not self._ready:
+            self._await_ready(proc)
         job = HashJob(np.ascontiguousarray(tokens, "<i8").tobytes(), block_size, algorithm, seed,
                       None if extra_keys is None else list(extra_keys), include_partial, parent)
         try:
@@ -160,6 +185,23 @@ class HashProcess:
             raise InputError(reply.message)
         return reply.digests
 
+    def _await_ready(self, proc: subprocess.Popen) -> None:
+        """Wait up to ``startup_wait_seconds`` for the child's ``HashReady``. Raises HashProcessError when it has
+        not come (still starting: the child is kept; past ``STARTUP_LIMIT_SECONDS`` or out of protocol: killed)."""
+        try:
+            body = _read_by(proc.stdout.fileno(), time.monotonic() + self.startup_wait_seconds)
+            if body is None:
+                self._fail("it exited while starting")
+            self._ready_decoder.decode(body)
+        except TimeoutError:
+            if time.monotonic() - self._started_at < STARTUP_LIMIT_SECONDS:
+                raise HashProcessError("the hashing process is still starting; hashing in process") from None
+            proc.kill()
+            self._fail(f"not ready within {STARTUP_LIMIT_SECONDS:g} s (killed)")
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+        self._ready = True
+
     def _running(self) -> subprocess.Popen:
         if self._proc is not None:
             if self._proc.poll() is None:
@@ -168,9 +210,11 @@ class HashProcess:
         if self.clock() - self._failed_at < RESTART_BACKOFF_SECONDS:
             raise HashProcessError("the hashing process failed recently; hashing in process")
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", "kvtier.server.hashproc"], stdin=subprocess.PIPE,
+            self._proc = subprocess.Popen(list(CHILD_COMMAND), stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, close_fds=True)
             os.set_blocking(self._proc.stdin.fileno(), False)  # a stopped child must not block a write
+            self._ready, self._started_at = False, time.monotonic()
+            _lower_priority(self._proc.pid)
         except OSError as exc:
             self._fail(f"cannot start it: {exc}")
         return self._proc
@@ -199,14 +243,20 @@ class HashProcess:
             proc.wait()
 
 
+def _lower_priority(pid: int) -> None:
+    """Nice the child by ``BACKGROUND_NICENESS`` from here, at once: set by the child itself, it came only after its
+    imports, seconds on a busy machine."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICENESS))
+    except OSError:
+        pass  # only priority is lost
+
+
 def main() -> None:
     """The child: answer ``HashJob`` frames on stdin until it closes."""
-    try:
-        os.nice(BACKGROUND_NICENESS)
-    except OSError:
-        pass
     decoder, encoder = msgspec.msgpack.Decoder(HashJob), msgspec.msgpack.Encoder()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    _write(stdout, encoder.encode(HashReady()))
     while (body := _read(stdin)) is not None:
         try:
             job = decoder.decode(body)

@@ -63,7 +63,8 @@ class Prehasher:
         self.waiting: dict[int, Job] = {}  # id(job) -> job, parked and not answered
         self._wakeup = Wakeup()
         self._stopped = False
-        self._hashproc = HashProcess(timeout_seconds)  # a later answer would be refused anyway
+        # a later answer would be refused anyway; a child still starting is not waited for
+        self._hashproc = HashProcess(timeout_seconds, startup_wait_seconds=0.0)
         self._thread = threading.Thread(target=self._work, name="kvtier-prehash", daemon=True)
         self._thread.start()
 
@@ -110,6 +111,10 @@ class Prehasher:
         return job
 
     def _work(self) -> None:
+        try:
+            self._hashproc.start()  # now, so that it is ready when the first long prompt comes
+        except HashProcessError:
+            pass  # logged; prompts are hashed in process until it can be started
         while True:
             with self._cond:
                 job = self._next()

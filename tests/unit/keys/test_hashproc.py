@@ -104,3 +104,24 @@ def test_a_stopped_child_is_killed_and_replaced(monkeypatch):
         assert proc.prefix_hashes(tokens, 16, "sha256", "s") == want and proc._proc.pid != first.pid
     finally:
         proc.close()
+
+
+def test_a_child_still_starting_is_not_waited_for(monkeypatch):
+    """A child that takes seconds to import (a busy machine, its lower priority) must not hold the first long
+    prompts: with ``startup_wait_seconds=0`` they raise HashProcessError (the server hashes them in process) until
+    the child says it is ready; the child is kept meanwhile, not restarted."""
+    slow = ("sh", "-c", f"sleep 1.5; exec {hashproc.sys.executable} -m kvtier.server.hashproc")
+    monkeypatch.setattr(hashproc, "CHILD_COMMAND", slow)
+    proc = HashProcess(reply_timeout_seconds=30.0, startup_wait_seconds=0.0)
+    try:
+        proc.start()
+        child = proc._proc
+        tokens = np.arange(64)
+        with pytest.raises(HashProcessError, match="still starting"):
+            proc.prefix_hashes(tokens, 16, "sha256", "s")
+        assert proc._proc is child and child.poll() is None
+        proc.startup_wait_seconds = 30.0
+        assert proc.prefix_hashes(tokens, 16, "sha256", "s") == prefix_hashes(tokens, 16, "sha256", "s")
+        assert proc._proc is child
+    finally:
+        proc.close()
