@@ -13,12 +13,17 @@ import json
 import torch
 from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # noqa: F401 (for the callers)
 
 CPU = torch.device("cpu")
+# What a test pool may book: SGLang checks a host pool against the machine's free memory less a 10 GiB reserve
+# (pool_host/base.py), which a 24 GiB test machine running vLLM tests beside these does not always have; the test
+# pools are a few MB, so they are booked against this budget instead (SGLang's own host_memory_budget_scope).
+TEST_POOL_BUDGET_BYTES = 1 << 30
 
 
 def mha_pool(layout: str, *, num_layers: int = 4, heads: int = 2, head_dim: int = 32, page_size: int = 16,
@@ -31,8 +36,9 @@ def mha_pool(layout: str, *, num_layers: int = 4, heads: int = 2, head_dim: int 
     info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1], layout=KVBufferLayout.NHD),
                          page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim, dtype=dtype,
                          device=CPU)
-    return MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=num_layers)
+    with host_memory_budget_scope(TEST_POOL_BUDGET_BYTES):
+        return MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=tokens, start_layer=0, end_layer=num_layers)
 
 
 def mla_pool(layout: str, *, num_layers: int = 4, kv_lora_rank: int = 64, rope_dim: int = 16, page_size: int = 16,
@@ -43,9 +49,10 @@ def mla_pool(layout: str, *, num_layers: int = 4, kv_lora_rank: int = 64, rope_d
                          data_ptrs=None, layer_indices=tuple(range(num_layers)), device_layer_num=num_layers,
                          page_size=page_size, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim, kv_cache_dim=width,
                          dtype=dtype, device=CPU)
-    return MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=num_layers,
-                                target_layer_num=num_layers)
+    with host_memory_budget_scope(TEST_POOL_BUDGET_BYTES):
+        return MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=tokens, start_layer=0, end_layer=num_layers,
+                                    target_layer_num=num_layers)
 
 
 def storage_config(extra: dict | str, *, model: str = "test-model", tp_rank: int = 0, tp_size: int = 1,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kvtier_harness.service_proc import free_port
-from kvtier_harness.sglang_pools import fill_pages, page_bytes, page_keys
+from kvtier_harness.sglang_pools import TEST_POOL_BUDGET_BYTES, fill_pages, page_bytes, page_keys
 
 P, LAYERS, HEADS, DIM, TOKENS, PAGES = 16, 4, 2, 32, 1024, 12
 
@@ -31,14 +31,16 @@ def main(url: str) -> dict:
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.runtime_context import get_parallel
 
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     device = MHATokenToKVPool(TOKENS, P, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False)
     allocator = TokenToKVPoolAllocator(TOKENS, torch.bfloat16, "cpu", device, False)
-    host = MHATokenToKVPoolHost(device._mha_buffer_info(), 2.0, 0, P, "page_first", pin_memory=False, device="cpu",
-                                device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS)
+    with host_memory_budget_scope(TEST_POOL_BUDGET_BYTES):  # not the machine's free memory less 10 GiB
+        host = MHATokenToKVPoolHost(device._mha_buffer_info(), 2.0, 0, P, "page_first", pin_memory=False,
+                                    device="cpu", device_capacity_tokens=TOKENS, start_layer=0, end_layer=LAYERS)
     extra = {"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang", "class_name": "KVTierStorage",
              "interface_v1": 1, "kvtier.server_url": url}
     ctl = HiCacheController(allocator, host, P, dist.group.WORLD, threading.Event(), io_backend="direct",
