@@ -115,7 +115,10 @@ class Pages(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     parent: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)] | None = None
 
 
-class Lookup(_Msg, tag="lookup"):
+class _Prompt(_Msg):
+    """The prompt a data request names (no tag: a base, never on the wire itself): its ``tokens`` or, v6, its
+    ``pages``, with the ``namespace`` and per-block ``extra_keys`` its chunk keys take."""
+
     tokens: TokenIds
     namespace: str | None = None
     extra_keys: ExtraKeys | None = None
@@ -123,17 +126,16 @@ class Lookup(_Msg, tag="lookup"):
     start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
 
 
-class StoreBegin(_Msg, tag="store_begin"):
+class Lookup(_Prompt, tag="lookup"):
+    """How many leading tokens of the prompt the cache holds (``LookupReply``)."""
+
+
+class StoreBegin(_Prompt, tag="store_begin"):
     """Reserve slots for a prompt's missing chunks. Retention hints (v5, ``kvtier.hints``): ``priority`` 0-3,
     ``ttl_seconds`` > 0, ``session_id``; checked by the server (``bad_request`` names the field) and applied at
     commit to every chunk of the prompt L1 holds."""
 
-    tokens: TokenIds
     shm: bool = True
-    namespace: str | None = None
-    extra_keys: ExtraKeys | None = None
-    pages: Pages | None = None  # v6: the prompt by its page digests (then tokens is empty)
-    start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
     priority: Any = None  # typed loosely so the server's check_hint names the field in its error
     ttl_seconds: Any = None
     session_id: Any = None
@@ -146,26 +148,20 @@ class StoreCommit(_Msg, tag="store_commit"):
     ok: bool = True
 
 
-class RetrieveBegin(_Msg, tag="retrieve_begin"):
-    tokens: TokenIds
+class RetrieveBegin(_Prompt, tag="retrieve_begin"):
+    """The KV of the prompt's leading chunks held: pinned slots (``shm``) or frames (``RetrieveSlots`` /
+    ``RetrieveData``)."""
+
     shm: bool = True
-    namespace: str | None = None
-    extra_keys: ExtraKeys | None = None
-    pages: Pages | None = None  # v6: the prompt by its page digests (then tokens is empty)
-    start: int = 0  # token offset: chunks before the one holding it are skipped (KVBackend start)
 
 
 class RetrieveEnd(_Msg, tag="retrieve_end"):
     ticket: Id
 
 
-class Prefetch(_Msg, tag="prefetch"):
-    """Promote the leading L2-only chunks of ``tokens`` into L1 ahead of a retrieve (``PrefetchReply``)."""
-
-    tokens: TokenIds
-    namespace: str | None = None
-    extra_keys: ExtraKeys | None = None
-    pages: Pages | None = None  # v6: the prompt by its page digests (then tokens is empty)
+class Prefetch(_Prompt, tag="prefetch"):
+    """Promote the leading L2-only chunks of ``tokens`` into L1 ahead of a retrieve (``PrefetchReply``; it counts
+    from the prompt's first token, whatever ``start`` says)."""
 
 
 class Clear(_Msg, tag="clear"):
