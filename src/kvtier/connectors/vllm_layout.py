@@ -135,9 +135,9 @@ class LayerBlocks:
 
     def write_blocks(self, block_ids: torch.Tensor, part: int, src: torch.Tensor) -> None:
         """Write ``src`` ``(n * block_size, heads, head_dim)`` into part ``part`` of the blocks ``block_ids`` (int64,
-        n ids, distinct). Token and transposed orders take one ``index_copy_`` for all n blocks (per block, the
-        Python calls of 30 layers x 2 parts x n blocks cost about as much as the copies of a 256-token chunk);
-        other orders go block by block through ``write``."""
+        n ids, distinct). Token and transposed orders take one ``index_copy_`` for all n blocks instead of one copy
+        per block (a 1,024-token SmolLM2 load, 1 thread: 18-26 ms against 22-38 ms, benchmarks/RESULTS.md issue 42);
+        other orders go block by block through ``write``. Mutates the KV cache."""
         kind, t, _ = self._parts[part]
         n, bs = len(block_ids), self.block_size
         if kind == "permuted":
