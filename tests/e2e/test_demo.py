@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvtier.connectors.hf_blend import DEFAULT_FRACTION
+from kvtier.blend import DEFAULT_FRACTION
 from kvtier.demo.run import find_document
 from kvtier.errors import KVTierError
 

@@ -109,7 +109,7 @@ def print_rag_table(result: dict) -> None:
               help="--rag: documents in each question's prompt.")
 @click.option("--fraction", type=click.FloatRange(0, 1), default=None,
               help="--rag: share of the reused document tokens recomputed by blending [default: kvtier's, "
-                   "connectors.hf_blend.DEFAULT_FRACTION].")
+                   "kvtier.blend.DEFAULT_FRACTION].")
 @click.option("--seed", type=int, default=0, show_default=True, help="--rag: picks the documents and the subsets.")
 @click.option("--child", is_flag=True, hidden=True)
 def demo(document, rounds, chunk_size, l1_size_gb, disk_path, server, as_json, max_new_tokens,
@@ -135,7 +135,7 @@ def demo(document, rounds, chunk_size, l1_size_gb, disk_path, server, as_json, m
     started = time.perf_counter()
     log = (lambda msg: None) if as_json else (lambda msg: click.echo(msg, err=True))
     if rag:
-        from kvtier.connectors.hf_blend import DEFAULT_FRACTION
+        from kvtier.blend import DEFAULT_FRACTION
         from kvtier.demo.rag import run_rag_demo
 
         opts.update(documents=num_documents, questions=num_questions, per_question=per_question, seed=seed,
