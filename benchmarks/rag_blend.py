@@ -179,7 +179,8 @@ def run(args) -> dict:
             row["recomputed"] = out.stats["num_recomputed_tokens"] / n
             rows[f].append(row)
             line.append(f"blend@{f:g} {row['ttft']:.3f} s top-1 {'=' if row['first'] else 'x'} "
-                        f"forced {row['forced'] * 100:.0f}%")
+                        f"forced {row['forced'] * 100:.0f}%" + ("" if p["gold"] is None else
+                                                                 f" {'ok' if row['correct'] else 'no'}"))
         if p["gold"] is not None:
             line.append(f"gold {p['gold']!r}: full {'ok' if rows['full'][-1]['correct'] else 'no'}")
         print(", ".join(line), flush=True)
