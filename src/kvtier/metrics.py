@@ -122,6 +122,9 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in (
                "per-client bound (server.*_per_client, max_prompt_tokens), by bound.", ("limit",)),
     MetricSpec("kvtier_prehashed_requests_total", "counter", "Requests whose long prompt was hashed on the "
                "server's hashing worker before they were handled (server.hash_offload_min_tokens)."),
+    MetricSpec("kvtier_blend_fallbacks_total", "counter", "Blended prefills (and document ingests) of a model "
+               "blending cannot serve (its RoPE or attention), run without blending because the caller passed "
+               "allow_fallback=True: prefix reuse only (an ingest stores nothing)."),
     MetricSpec("kvtier_replies_dropped_total", "counter", "Replies not queued because the client left or had "
                "server.max_unread_replies_per_client replies unread.", ("reason",)),
 )}

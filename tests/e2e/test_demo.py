@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from kvtier.connectors.hf_blend import DEFAULT_FRACTION
+from kvtier.blend import DEFAULT_FRACTION
+from kvtier.demo.rag import RAG_QUESTIONS
 from kvtier.demo.run import find_document
 from kvtier.errors import KVTierError
 
@@ -66,7 +68,8 @@ def test_a_bad_l1_size_stops_the_demo_before_the_model_loads(size, said):
 
 RAG_FIELDS = ("num_documents", "num_questions", "fraction", "cold_ttft_seconds", "prefix_ttft_seconds",
               "blend_ttft_seconds", "prefix_hit_rate", "blend_hit_rate", "blend_recomputed_share",
-              "prefix_answers_identical", "blend_answers_identical", "blended")
+              "prefix_answers_identical", "blend_answers_identical", "blend_first_tokens_same", "blend_forced_top1",
+              "blended")
 
 
 @pytest.mark.model
@@ -82,6 +85,7 @@ def test_demo_rag_json_answers_cold_prefix_only_and_blended():
     # every document is reused wherever it stands, not only the prompt's leading chunks
     assert summary["blend_hit_rate"] > summary["prefix_hit_rate"] > 0
     assert 0 < summary["blend_recomputed_share"] < 0.5
+    assert 0 <= summary["blend_first_tokens_same"] <= 2 and 0 < summary["blend_forced_top1"] <= 1
     for key in ("cold_ttft_seconds", "prefix_ttft_seconds", "blend_ttft_seconds"):
         assert isinstance(summary[key], float) and summary[key] > 0
 
@@ -96,3 +100,18 @@ def test_demo_rag_bad_input_stops_before_the_model_loads(args, said):
                           check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "SmolLM2" not in proc.stderr and "ingesting" not in proc.stderr
+
+
+@pytest.mark.model
+def test_demo_rag_prints_each_question_with_its_answers_and_what_blending_trades_in_100_columns():
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--rag", "--documents", "3", "--questions", "2",
+                           "--max-document-tokens", "96", "--chunk-size", "32", "--max-new-tokens", "6",
+                           "--server", "off"], check=False, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert max(map(len, lines)) <= 100
+    for i, question in enumerate(RAG_QUESTIONS[:2]):
+        at = next(n for n, line in enumerate(lines) if line.startswith(f"Q{i + 1} (documents ") and question in line)
+        assert [line.split(":")[0].strip() for line in lines[at + 1:at + 4]] == ["cold", "prefix-only", "blended"]
+    trade = " ".join(lines[next(n for n, line in enumerate(lines) if line.startswith("Blending trades")):])
+    assert "teacher-forced top-1" in trade and "identical" in trade and re.search(r"matched cold in \d/2", trade)

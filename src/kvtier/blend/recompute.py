@@ -99,6 +99,19 @@ def _mask(rows: torch.Tensor, limit: int, eager: bool, dtype, window: int | None
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+def check_attention(model) -> str:
+    """The model's attention implementation, ``"sdpa"`` or ``"eager"`` (those whose masks blending builds).
+
+    Raises:
+        BlendUnsupportedError: any other (flash attention, flex): load the model with ``attn_implementation="sdpa"``.
+    """
+    impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    if impl not in MASKED_ATTENTION:
+        raise BlendUnsupportedError(f"blending builds attention masks for {', '.join(MASKED_ATTENTION)}, not "
+                                    f"{impl!r}; load the model with attn_implementation='sdpa'")
+    return impl
+
+
 @torch.inference_mode()
 def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   reused: torch.Tensor, forced: torch.Tensor, fraction: float, *, check_layer: int = 1,
@@ -131,11 +144,7 @@ def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], valu
         BlendUnsupportedError: an attention implementation other than sdpa or eager, or a position encoding
             ``RopeRotator.for_model`` refuses.
     """
-    impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-    if impl not in MASKED_ATTENTION:
-        raise BlendUnsupportedError(f"blending builds attention masks for {', '.join(MASKED_ATTENTION)}, not "
-                                    f"{impl!r}; load the model with attn_implementation='sdpa'")
-    eager = impl == "eager"
+    eager = check_attention(model) == "eager"
     rotator = rotator or RopeRotator.for_model(model)
     inner = model.model
     layers = inner.layers

@@ -23,9 +23,10 @@ from transformers import DynamicCache
 
 from kvtier.errors import InputError, KVTierError
 from kvtier.hashing import as_token_array
-from kvtier.connectors.hf_blend import prefill_segments
+from kvtier.connectors.hf_blend import prefill_segments, store_document
 from kvtier.connectors.hf_kv import chunk_size_of, dynamic_cache_to_kv, kv_to_dynamic_cache, model_identity_of
 from kvtier.layout import KVLayout
+from kvtier.metrics import Metrics
 
 
 class HFConnector:
@@ -48,6 +49,8 @@ class HFConnector:
         self.model = model
         self.cache = cache
         self.layout = KVLayout.from_model(model)
+        # the cache's own counters when it has them (KVCache, Client), so a blending fallback shows with the rest
+        self.metrics = getattr(cache, "metrics", None) or Metrics()
         self.model_id = model_id or getattr(cache, "model", None) or (
             model_identity_of(model) if getattr(model.config, "name_or_path", "") else None)
         cache_model = getattr(cache, "model", None)
@@ -59,8 +62,10 @@ class HFConnector:
             raise InputError(f"the cache's KV layout {cache_layout} does not match the model's {self.layout}; "
                              "open the cache with kvtier.layout.KVLayout.from_model(model)")
 
-    def _tokens(self, input_ids) -> torch.Tensor:
-        """Validate one prompt (``[T]`` or ``[1, T]`` ints, T >= 1) and return it as a ``[1, T]`` long tensor."""
+    def prompt_ids(self, input_ids) -> torch.Tensor:
+        """Validate one prompt (``[T]`` or ``[1, T]`` ints, T >= 1) and return it as a new ``[1, T]`` long tensor.
+
+        Raises: InputError naming what is wrong (a batch, no tokens, an id outside the model's vocabulary)."""
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
                 raise InputError("HFConnector takes one prompt at a time (batch 1); "
@@ -95,7 +100,7 @@ class HFConnector:
             InputError: bad token ids; KVTierError: the cache returned KV of the wrong shape or dtype.
         """
         started = time.perf_counter()
-        ids = self._tokens(input_ids)
+        ids = self.prompt_ids(input_ids)
         tokens = ids[0]
         num_prompt = ids.shape[1]
 
@@ -117,7 +122,7 @@ class HFConnector:
         logits_last = out.logits[:, -1, :]
         ready = time.perf_counter()
 
-        num_stored = self._store(tokens, out.past_key_values, num_retrieved)
+        num_stored = self.store_prompt(tokens, out.past_key_values, num_retrieved)
         stored = time.perf_counter()
         stats = {
             "num_prompt_tokens": num_prompt,
@@ -145,8 +150,16 @@ class HFConnector:
                               f"{num_tokens} tokens of a {num_prompt}-token prompt; expected "
                               f"{self.layout.chunk_shape(num_tokens)} in {self.model.dtype}")
 
-    def _store(self, tokens: torch.Tensor, past: DynamicCache, num_retrieved: int) -> int:
-        """Store the prompt's KV; skipped when every full chunk was just retrieved."""
+    def store_prompt(self, tokens: torch.Tensor, past: DynamicCache, num_retrieved: int = 0) -> int:
+        """Store a prompt's full chunks under prefix keys; skipped when every full chunk was just retrieved.
+
+        Args:
+            tokens: the prompt's token ids ``[T]`` (long).
+            past: a ``DynamicCache`` holding at least those T tokens (read, not changed).
+            num_retrieved: leading tokens just retrieved from the cache (their chunks are not copied again).
+
+        Returns: the number of chunks newly stored. Mutates: the cache.
+        """
         num_prompt = tokens.shape[0]
         chunk_size = chunk_size_of(self.cache)  # a client learns it at its (re)connection handshake
         if chunk_size is not None:
@@ -160,13 +173,32 @@ class HFConnector:
     def prefill_segments(self, input_ids, segments, **knobs):
         """Blended prefill of a prompt marked as ``kvtier.blend.Segment`` s: each document's KV reused wherever it
         stands (``connectors.hf_blend.prefill_segments``: the knobs ``fraction``, ``head_tokens``,
-        ``check_layer``, ``refine_layers``, ``widen``, the returns, what it raises)."""
+        ``check_layer``, ``refine_layers``, ``widen`` (defaults in ``kvtier.blend``), ``allow_fallback``, the
+        returns, what it raises). By text: ``connectors.hf_rag.RAG``."""
         return prefill_segments(self, input_ids, segments, **knobs)
+
+    def store_document(self, document_ids, prefix_ids=None, *, allow_fallback: bool = False) -> dict:
+        """Ingest: store a document's KV under its segment key, computed after ``prefix_ids``, ahead of any query
+        (``connectors.hf_blend.store_document``: the returns, what it raises)."""
+        return store_document(self, document_ids, prefix_ids, allow_fallback=allow_fallback)
 
     @torch.inference_mode()
     def decode(self, logits, past, num_prompt_tokens: int, max_new_tokens: int = 32, eos_token_id=None) -> list[int]:
-        """Greedy decoding from a prefill's ``(logits, past)``: at most ``max_new_tokens`` new token ids (an eos
-        included); mutates ``past``."""
+        """Greedy decoding from a prefill's ``(logits, past)``.
+
+        Args:
+            logits: ``[1, vocab_size]``, the last prompt token's (the first new token is its argmax).
+            past: the prefill's ``DynamicCache`` of ``num_prompt_tokens`` tokens.
+            num_prompt_tokens: tokens in ``past``.
+            max_new_tokens: at most this many new tokens (>= 1).
+            eos_token_id: int or list of ints that stop decoding; default the model's generation config's.
+
+        Returns: the new token ids (an eos included).
+
+        Mutates: ``past``, in place: each new token's K/V is appended to it (transformers' cache update), so after
+        the call it holds the prompt and the answer. To decode twice from one prefill, pass ``copy.deepcopy(past)``;
+        the KV already stored in kvtier is never changed.
+        """
         if eos_token_id is None:
             eos_token_id = self.model.generation_config.eos_token_id
         stop = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -198,7 +230,7 @@ class HFConnector:
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        ids = self._tokens(input_ids)
+        ids = self.prompt_ids(input_ids)
         logits, past, stats = self.prefill(ids)
         started = time.perf_counter()
         new = self.decode(logits, past, ids.shape[1], max_new_tokens, eos_token_id)

@@ -9,32 +9,62 @@ position 0, keeps the prefix's first token the attention sink of every document,
 makes the document right after the prefix exact. On load a document's K is re-rotated from where it was computed
 to where it stands now (``blend.rope``); then ``blend.recompute`` recomputes the question, each later document's
 first ``head_tokens`` tokens and the ``fraction`` of reused tokens whose KV deviates most. A segment stored by
-another model, layout or after another prefix has another key: a miss, never wrong KV.
+another model, layout or after another prefix has another key: a miss, never wrong KV. So a changed system
+prompt (another prefix, even by one token) makes every stored document miss: ingest the documents again after
+the new prefix (``store_document``; several prefixes may be ingested side by side).
+
+``store_document`` is the ingest: a document's KV computed after a prefix and stored under its segment key ahead
+of any query. Blending is explicit: a model it cannot serve (``RopeRotator.for_model``, ``check_attention``)
+raises ``BlendUnsupportedError`` unless the caller passes ``allow_fallback=True``; then the prefill is plain
+prefix reuse, logged once per model type and reason and counted in ``kvtier_blend_fallbacks_total``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 from transformers import DynamicCache
 
 from kvtier.blend.assemble import KVAssembly
-from kvtier.blend.recompute import blend_prefill, cache_over
+from kvtier.blend.knobs import (DEFAULT_CHECK_LAYER, DEFAULT_FRACTION, DEFAULT_HEAD_TOKENS, DEFAULT_REFINE_LAYERS,
+                                DEFAULT_WIDEN, check_knobs)
+from kvtier.blend.recompute import blend_prefill, cache_over, check_attention
 from kvtier.blend.rope import RopeRotator
-from kvtier.blend.segments import validate_segments
+from kvtier.blend.segments import Segment, validate_segments
 from kvtier.blend.select import check_fraction
 from kvtier.connectors.hf_kv import chunk_size_of, dynamic_cache_to_kv
 from kvtier.errors import BlendUnsupportedError, InputError
 from kvtier.keys import segment_namespace
 from kvtier.tensors import as_torch
 
-# the largest fraction of benchmarks/rag_blend.py's sweep (40 prompts, SmolLM2 fp32) whose TTFT met both of issue
-# 18's targets (0.31x full prefill, 0.33x prefix-only at 0.2; 0.37x at 0.3), so the best answers within them
-DEFAULT_FRACTION = 0.2
-DEFAULT_HEAD_TOKENS = 1
-DEFAULT_REFINE_LAYERS = 0
-DEFAULT_WIDEN = 2.0
+log = logging.getLogger("kvtier.blend")
+_warned: set[tuple[str, str]] = set()  # (model type, reason) already logged: a fallback is logged once
+
+
+def blend_support(model) -> RopeRotator:
+    """The model's ``RopeRotator`` when blending can serve it (its RoPE re-rotates, its attention takes our masks).
+
+    Raises:
+        BlendUnsupportedError: naming the model type and why.
+    """
+    check_attention(model)
+    return RopeRotator.for_model(model)
+
+
+def _refused(connector, exc: BlendUnsupportedError, allow_fallback: bool) -> str:
+    """Re-raise ``exc`` unless ``allow_fallback``; else count it, log it once per model type and reason, return
+    the reason."""
+    if not allow_fallback:
+        raise exc
+    reason = str(exc)
+    connector.metrics.inc("kvtier_blend_fallbacks_total")
+    key = (getattr(connector.model.config, "model_type", ""), reason)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("blending is off for this model, prefix reuse only (allow_fallback=True): %s", reason)
+    return reason
 
 
 def _load(cache, tokens: torch.Tensor, namespace: str | None, asm: KVAssembly, at: int, rotator=None,
@@ -74,9 +104,69 @@ def _compute_docs(connector, ids, context: int, asm: KVAssembly, missing, rotato
 
 
 @torch.inference_mode()
+def store_document(connector, document_ids, prefix_ids=None, *, allow_fallback: bool = False) -> dict:
+    """Ingest one document: compute its KV after ``prefix_ids`` and store it under its segment key (the document's
+    tokens, the prefix's tokens, the model, the layout), ready for any later prompt ``[prefix][...][document][...]``.
+
+    The prefix's full chunks are stored too (under prefix keys), and a prefix already stored is reused, not
+    recomputed. A document already stored after this prefix is not computed again.
+
+    Args:
+        connector: an ``HFConnector``.
+        document_ids: the document's token ids ``[n]`` (tokenized alone: the same ids wherever it will stand), at
+            least one chunk long.
+        prefix_ids: the system prefix's token ids ``[P]`` (the prompt's head, as every query will start), or None
+            / empty: the document computed alone from position 0 (only prompts without a prefix will find it).
+        allow_fallback: when the model cannot be blended, store nothing and count a fallback instead of raising.
+
+    Returns:
+        stats: ``num_document_tokens``, ``stored`` (True when newly stored), ``num_prefix_hit_tokens``,
+        ``num_stored_chunks`` (the prefix's), ``ingest_seconds``; ``blend_refused`` (why) after a fallback.
+
+    Mutates: the cache.
+
+    Raises:
+        InputError: bad token ids, a document shorter than one chunk. BlendUnsupportedError: the model cannot be
+        blended and ``allow_fallback`` is False.
+    """
+    started = time.perf_counter()
+    doc = connector.prompt_ids(document_ids)[0]
+    empty = prefix_ids is None or (hasattr(prefix_ids, "__len__") and len(prefix_ids) == 0)
+    prefix = doc[:0] if empty else connector.prompt_ids(prefix_ids)[0]
+    P, n = int(prefix.numel()), int(doc.numel())
+    chunk = chunk_size_of(connector.cache) or 1
+    stats = {"num_document_tokens": n, "stored": False, "num_prefix_hit_tokens": 0, "num_stored_chunks": 0}
+    if n < chunk:
+        raise InputError(f"the document has {n} tokens, shorter than one chunk ({chunk} tokens): not worth storing; "
+                         "put it in the prompt as text (computed each time) or use a smaller chunk_size")
+    try:
+        blend_support(connector.model)
+    except BlendUnsupportedError as exc:
+        stats["blend_refused"] = _refused(connector, exc, allow_fallback)
+        return {**stats, "ingest_seconds": time.perf_counter() - started}
+    cache = connector.cache
+    ns = segment_namespace(getattr(cache, "namespace", "") or "", prefix)
+    if cache.lookup(doc, ns) >= n:
+        return {**stats, "ingest_seconds": time.perf_counter() - started}
+    layout = connector.layout
+    asm = KVAssembly(layout.num_layers, layout.num_kv_heads, layout.head_dim, P + n, connector.model.dtype)
+    hit = _load(cache, prefix, None, asm, 0) if P else 0
+    asm.reused[:hit] = asm.exact[:hit] = True
+    ids = torch.cat([prefix, doc])[None]
+    (_, kv), = _compute_docs(connector, ids, P, asm, [Segment(P, P + n)], None)
+    cache.store(doc, kv, ns)
+    if P:
+        past = cache_over([k[:, :, :P] for k in asm.keys], [v[:, :, :P] for v in asm.values])
+        stats["num_stored_chunks"] = connector.store_prompt(prefix, past, hit)
+    stats.update(stored=True, num_prefix_hit_tokens=hit)
+    return {**stats, "ingest_seconds": time.perf_counter() - started}
+
+
+@torch.inference_mode()
 def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAULT_FRACTION,
-                     head_tokens: int = DEFAULT_HEAD_TOKENS, check_layer: int = 1,
-                     refine_layers: int = DEFAULT_REFINE_LAYERS, widen: float = DEFAULT_WIDEN):
+                     head_tokens: int = DEFAULT_HEAD_TOKENS, check_layer: int = DEFAULT_CHECK_LAYER,
+                     refine_layers: int = DEFAULT_REFINE_LAYERS, widen: float = DEFAULT_WIDEN,
+                     allow_fallback: bool = False):
     """Blended prefill of one prompt marked as segments (see the module docstring).
 
     Args:
@@ -90,29 +180,33 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
         refine_layers: CacheBlend's gradual filtering: layers after the check layer that narrow a selection
             ``widen`` times larger down to ``fraction`` (0: select once).
         widen: see ``refine_layers`` (>= 1).
+        allow_fallback: when the model cannot be blended, run a plain prefix-reuse prefill (``HFConnector.prefill``),
+            log it once and count ``kvtier_blend_fallbacks_total``, instead of raising.
 
     Returns:
         ``(logits_last [1, vocab], DynamicCache of all T tokens, stats)``; stats as ``HFConnector.prefill`` plus
-        ``blended`` (False when the model cannot be re-rotated: then ``blend_refused`` says why and the prompt
-        went through ``prefill``), ``num_segment_hit_tokens``, ``num_segment_stored``, ``num_recomputed_tokens``.
+        ``blended`` (False after a fallback, with ``blend_refused`` saying why, or at ``fraction`` 1),
+        ``num_segment_hit_tokens``, ``num_segment_stored``, ``num_recomputed_tokens``.
 
     Mutates: the cache (missing documents stored under segment keys; the prefix's full chunks under prefix keys).
 
     Raises:
         InputError: bad token ids, segments, fraction, head_tokens, check_layer, refine_layers or widen.
+        BlendUnsupportedError (an InputError): the model cannot be blended and ``allow_fallback`` is False.
     """
     started = time.perf_counter()
-    ids = connector._tokens(input_ids)
+    ids = connector.prompt_ids(input_ids)
     T = ids.shape[1]
     fraction = check_fraction(fraction)
     segs = validate_segments(segments, T, chunk_size_of(connector.cache) or 1)
     layout = connector.layout
-    _check_knobs(head_tokens, check_layer, refine_layers, widen, layout.num_layers)
+    check_knobs(head_tokens, check_layer, refine_layers, widen, layout.num_layers)
     try:
-        rotator = RopeRotator.for_model(connector.model)
+        rotator = blend_support(connector.model)
     except BlendUnsupportedError as exc:
+        reason = _refused(connector, exc, allow_fallback)
         logits, past, stats = connector.prefill(ids)
-        stats.update(blended=False, blend_refused=str(exc))
+        stats.update(blended=False, blend_refused=reason)
         return logits, past, stats
     if fraction == 1.0:  # recompute everything: a plain full prefill, exactly
         out = connector.model(ids, past_key_values=DynamicCache(), attention_mask=torch.ones_like(ids), use_cache=True,
@@ -155,7 +249,7 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
     ready = time.perf_counter()
     for seg, kv in computed:
         cache.store(ids[0, seg.start:seg.end], kv, ns)
-    num_stored = connector._store(ids[0, :context], past, num_prefix_hit) if context else 0
+    num_stored = connector.store_prompt(ids[0, :context], past, num_prefix_hit) if context else 0
     return logits, past, {
         "num_prompt_tokens": T, "num_hit_tokens": num_prefix_hit + hit_tokens,
         "num_computed_tokens": num_recomputed, "num_stored_chunks": num_stored, "blended": True,
@@ -164,14 +258,3 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
         "prefill_seconds": ready - assembled, "store_seconds": time.perf_counter() - ready,
         "ttft_seconds": ready - started}
 
-
-def _check_knobs(head_tokens, check_layer, refine_layers, widen, num_layers: int) -> None:
-    """Raise InputError naming the first bad blending knob."""
-    if not isinstance(head_tokens, int) or isinstance(head_tokens, bool) or head_tokens < 0:
-        raise InputError(f"head_tokens must be an int >= 0, got {head_tokens!r}")
-    if not isinstance(check_layer, int) or isinstance(check_layer, bool) or not 1 <= check_layer < num_layers:
-        raise InputError(f"check_layer must be an int in [1, {num_layers - 1}], got {check_layer!r}")
-    if not isinstance(refine_layers, int) or isinstance(refine_layers, bool) or refine_layers < 0:
-        raise InputError(f"refine_layers must be an int >= 0, got {refine_layers!r}")
-    if isinstance(widen, bool) or not isinstance(widen, (int, float)) or not widen >= 1:
-        raise InputError(f"widen must be a number >= 1, got {widen!r}")

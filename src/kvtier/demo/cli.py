@@ -39,30 +39,36 @@ def print_table(result: dict) -> None:
                   f"Warm answer identical to cold: {s['outputs_identical']}")
 
 
+WIDTH = 100  # columns the --rag output fits in
+
+
 def print_rag_table(result: dict) -> None:
-    """The ``--rag`` questions as a rich table on stdout (TTFT and answer of cold, prefix-only and blended), then
-    the medians."""
+    """The ``--rag`` run on stdout in at most ``WIDTH`` columns: a table of TTFTs per question, each question with
+    its three answers (marked where they differ from the cold one), the documents, the medians, and one line on
+    what blending trades (its measured fidelity to the cold answers)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     s = result["summary"]
+    console = Console(width=min(WIDTH, Console().width) if sys.stdout.isatty() else WIDTH)
     table = Table(title=f"kvtier demo --rag: SmolLM2-135M-Instruct, {s['num_documents']} documents, blended at "
                         f"{s['fraction']:g} recompute (cache: {result['mode']})")
-    for name in ("#", "documents", "tokens", "cold TTFT (s)", "prefix-only TTFT (s) (hit tokens)",
-                 "blended TTFT (s) (recomputed)"):
-        table.add_column(name, justify="right", no_wrap=True)
-    for name in ("cold answer", "prefix-only answer", "blended answer"):
-        table.add_column(name, overflow="fold", min_width=20)
+    for name in ("#", "documents", "tokens", "cold TTFT (s)", "prefix-only TTFT (s) (hit)", "blended TTFT (s) (recomp.)"):
+        table.add_column(name, justify="right")
     for i, r in enumerate(result["rows"]):
-        same = lambda key: "" if r[key] else " (differs)"  # noqa: E731
         table.add_row(str(i + 1), ",".join(map(str, r["order"])), str(r["num_prompt_tokens"]),
                       f"{r['cold_ttft_seconds']:.3f}", f"{r['prefix_ttft_seconds']:.3f} ({r['prefix_hit_tokens']})",
-                      f"{r['blend_ttft_seconds']:.3f} ({r['blend_recomputed_tokens']})", escape(r["cold_answer"]),
-                      escape(r["prefix_answer"]) + same("prefix_identical"),
-                      escape(r["blend_answer"]) + same("blend_identical"))
-    console = Console(width=None if sys.stdout.isatty() else 220)
+                      f"{r['blend_ttft_seconds']:.3f} ({r['blend_recomputed_tokens']})")
     console.print(table)
+    for i, r in enumerate(result["rows"]):
+        same = lambda key: "" if r[key] else " (differs from cold)"  # noqa: E731
+        console.print(f"\nQ{i + 1} (documents {','.join(map(str, r['order']))}): {escape(r['question'])}")
+        text = lambda key: escape(" ".join(r[key].split()))  # noqa: E731  one paragraph per answer
+        console.print(f"  cold:        {text('cold_answer')}")
+        console.print(f"  prefix-only: {text('prefix_answer')}{same('prefix_identical')}")
+        console.print(f"  blended:     {text('blend_answer')}{same('blend_identical')}")
+    console.print()
     for i, path in enumerate(result["documents"]):
         console.print(f"document {i}: {path}")
     cold = s["cold_ttft_seconds"]
@@ -72,6 +78,10 @@ def print_rag_table(result: dict) -> None:
                   f"{s['blend_recomputed_share'] * 100:.0f}% of tokens recomputed). Answers identical to cold: "
                   f"prefix-only {s['prefix_answers_identical']}/{s['num_questions']}, "
                   f"blended {s['blend_answers_identical']}/{s['num_questions']}")
+    console.print(f"Blending trades fidelity for TTFT: its answers are close to a full prefill's, not identical; "
+                  f"here the first answer token matched cold in {s['blend_first_tokens_same']}/{s['num_questions']} "
+                  f"questions and {s['blend_forced_top1'] * 100:.0f}% of the cold answers' tokens were its top token "
+                  "(teacher-forced top-1).")
 
 
 @click.command("demo")
@@ -109,7 +119,7 @@ def print_rag_table(result: dict) -> None:
               help="--rag: documents in each question's prompt.")
 @click.option("--fraction", type=click.FloatRange(0, 1), default=None,
               help="--rag: share of the reused document tokens recomputed by blending [default: kvtier's, "
-                   "connectors.hf_blend.DEFAULT_FRACTION].")
+                   "kvtier.blend.DEFAULT_FRACTION].")
 @click.option("--seed", type=int, default=0, show_default=True, help="--rag: picks the documents and the subsets.")
 @click.option("--child", is_flag=True, hidden=True)
 def demo(document, rounds, chunk_size, l1_size_gb, disk_path, server, as_json, max_new_tokens,
@@ -135,7 +145,7 @@ def demo(document, rounds, chunk_size, l1_size_gb, disk_path, server, as_json, m
     started = time.perf_counter()
     log = (lambda msg: None) if as_json else (lambda msg: click.echo(msg, err=True))
     if rag:
-        from kvtier.connectors.hf_blend import DEFAULT_FRACTION
+        from kvtier.blend import DEFAULT_FRACTION
         from kvtier.demo.rag import run_rag_demo
 
         opts.update(documents=num_documents, questions=num_questions, per_question=per_question, seed=seed,

@@ -8,8 +8,9 @@ question is answered by:
 
 - **cold**: a full prefill, no cache;
 - **prefix-only**: ``HFConnector.prefill`` (reuses the prompt's leading chunks: the head and the first document);
-- **blended**: ``HFConnector.prefill_segments`` (every document's KV reused wherever it stands, re-rotated, and
-  ``--fraction`` of its tokens recomputed; ``kvtier.blend``).
+- **blended**: ``connectors.hf_rag.RAG.query`` (every document's KV reused wherever it stands, re-rotated, and
+  ``--fraction`` of its tokens recomputed; ``kvtier.blend``). Its answers are expected to differ from cold ones
+  now and then: the demo measures by how much (first tokens, teacher-forced top-1).
 
 One cache holds both: prefix chunks and segment chunks never share a key.
 """
@@ -66,8 +67,8 @@ def template_parts(tokenizer) -> tuple[list[int], str]:
 
 def build_workload(tokenizer, paths, max_document_tokens: int, num_questions: int, per_question: int, seed: int):
     """``(head, docs, prompts)``: ``docs`` token-id lists (each document tokenized alone, ending in a blank line,
-    so its tokens are the same wherever it stands); each prompt a dict: ``question``, ``order`` (document
-    indexes), ``ids``, ``lengths``, ``kinds`` (``blend.segments_from_lengths``)."""
+    so its tokens are the same wherever it stands); each prompt a dict: ``question`` (text), ``order`` (document
+    indexes), ``question_ids`` (the question and the template's tail), ``num_tokens``."""
     head, tail = template_parts(tokenizer)
     enc = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     docs = [enc(read_document(tokenizer, p, max_document_tokens) + "\n\n") for p in paths]
@@ -77,8 +78,8 @@ def build_workload(tokenizer, paths, max_document_tokens: int, num_questions: in
         order = rng.sample(range(len(docs)), min(per_question, len(docs)))
         question = RAG_QUESTIONS[i % len(RAG_QUESTIONS)]
         parts = [head, *(docs[d] for d in order), enc(f"Question: {question}{tail}")]
-        prompts.append({"question": question, "order": order, "ids": [t for part in parts for t in part],
-                        "lengths": [len(p) for p in parts], "kinds": ["prefix", *["doc"] * len(order), "text"]})
+        prompts.append({"question": question, "order": order, "question_ids": parts[-1],
+                        "num_tokens": sum(map(len, parts))})
     return head, docs, prompts
 
 
@@ -87,13 +88,28 @@ def _answer(connector, tokenizer, logits, past, num_prompt: int, max_new_tokens:
     return ids, tokenizer.decode(ids, skip_special_tokens=True).strip()
 
 
-def ask(connector, tokenizer, prompt: dict, fraction: float, max_new_tokens: int) -> dict:
-    """Answer one prompt cold, prefix-only and blended; returns one row of the demo's table."""
+def _teacher_forced(model, logits, past, num_prompt: int, reference: list[int]) -> int:
+    """Answer positions whose top token is ``reference``'s when ``reference`` is fed after the prompt's KV ``past``
+    (grown in place)."""
     import torch
 
-    from kvtier.blend import segments_from_lengths
+    tops = [int(logits.argmax(-1))]
+    if len(reference) > 1:
+        with torch.inference_mode():
+            out = model(torch.tensor([reference[:-1]]), past_key_values=past, use_cache=True,
+                        attention_mask=torch.ones((1, num_prompt + len(reference) - 1), dtype=torch.long))
+        tops += out.logits[0].argmax(-1).tolist()
+    return sum(a == b for a, b in zip(tops, reference))
 
-    ids = torch.tensor([prompt["ids"]])
+
+def ask(rag, tokenizer, head: list[int], docs: list[list[int]], prompt: dict, max_new_tokens: int) -> dict:
+    """Answer one prompt cold, prefix-only and blended (``rag``: a ``connectors.hf_rag.RAG``); returns one row of the
+    demo's table, with the blended answer's fidelity to the cold one (first token, teacher-forced tokens)."""
+    import torch
+
+    connector = rag.connector
+    chosen = [docs[d] for d in prompt["order"]]
+    ids, _ = rag.prompt(head, chosen, prompt["question_ids"])
     n = ids.shape[1]
     row = {"question": prompt["question"], "order": prompt["order"], "num_prompt_tokens": n}
     with torch.inference_mode():
@@ -104,11 +120,15 @@ def ask(connector, tokenizer, prompt: dict, fraction: float, max_new_tokens: int
     logits, past, stats = connector.prefill(ids)
     row["prefix_ttft_seconds"], row["prefix_hit_tokens"] = stats["ttft_seconds"], stats["num_hit_tokens"]
     prefix_ids, row["prefix_answer"] = _answer(connector, tokenizer, logits, past, n, max_new_tokens)
-    segments = segments_from_lengths(prompt["lengths"], prompt["kinds"])
-    logits, past, stats = connector.prefill_segments(ids, segments, fraction=fraction)
-    row.update(blend_ttft_seconds=stats["ttft_seconds"], blend_hit_tokens=stats["num_hit_tokens"],
-               blend_recomputed_tokens=stats["num_recomputed_tokens"], blended=stats["blended"])
-    blend_ids, row["blend_answer"] = _answer(connector, tokenizer, logits, past, n, max_new_tokens)
+    got = rag.query(head, chosen, prompt["question_ids"])
+    row.update(blend_ttft_seconds=got.stats["ttft_seconds"], blend_hit_tokens=got.stats["num_hit_tokens"],
+               blend_recomputed_tokens=got.stats["num_recomputed_tokens"], blended=got.stats["blended"])
+    blend_ids, row["blend_answer"] = _answer(connector, tokenizer, got.logits, got.past, n, max_new_tokens)
+    if got.past.get_seq_length() > n:  # back to the prompt's KV (decode grew it), to feed the cold answer after it
+        got.past.crop(n - got.past.get_seq_length())
+    row["blend_forced_matches"] = _teacher_forced(connector.model, got.logits, got.past, n, cold_ids)
+    row["num_answer_tokens"] = len(cold_ids)
+    row["blend_first_token_same"] = blend_ids[0] == cold_ids[0]
     row["prefix_identical"], row["blend_identical"] = prefix_ids == cold_ids, blend_ids == cold_ids
     return row
 
@@ -124,9 +144,9 @@ def run_rag_demo(opts: dict, log=lambda msg: None) -> dict:
     Mutates: clears the cache first (with a running server: all of its cache).
     """
     paths = document_paths(opts["documents"], opts["seed"])  # before the slow imports: too few files fail fast
-    from kvtier.blend import segments_from_lengths
     from kvtier.connectors.hf import HFConnector
     from kvtier.connectors.hf_kv import chunk_size_of
+    from kvtier.connectors.hf_rag import RAG
     from kvtier.demo.models import load_smollm2
 
     with contextlib.ExitStack() as stack:
@@ -137,25 +157,28 @@ def run_rag_demo(opts: dict, log=lambda msg: None) -> dict:
                                              opts["per_question"], opts["seed"])
         cache = stack.enter_context(cleared_cache(model, opts, server_url, admin_token, disk_path))
         connector = HFConnector(model, cache)
+        rag = RAG(connector, tokenizer, fraction=opts["fraction"])
         chunk = chunk_size_of(cache) or 1
         short = [p.name for p, d in zip(paths, docs) if len(d) < chunk]
         if short:
             raise KVTierError(f"documents {', '.join(short)} are shorter than one chunk ({chunk} tokens); "
                               "raise --max-document-tokens or lower --chunk-size")
         log(f"ingesting {len(docs)} documents ({min(map(len, docs))}-{max(map(len, docs))} tokens each)")
+        rag.ingest(docs, head)  # for blending: each document's KV after the head, under its segment key
         for doc in docs:
-            connector.prefill_segments(head + doc, segments_from_lengths([len(head), len(doc)], ["prefix", "doc"]))
-            connector.prefill(head + doc)
+            connector.prefill(head + doc)  # for prefix-only reuse: [head][document] under prefix keys
         rows = []
         for i, prompt in enumerate(prompts):
             log(f"question {i + 1}/{len(prompts)} over documents {prompt['order']}: {prompt['question']}")
-            rows.append(ask(connector, tokenizer, prompt, opts["fraction"], opts["max_new_tokens"]))
+            rows.append(ask(rag, tokenizer, head, docs, prompt, opts["max_new_tokens"]))
     return {"rows": rows, "documents": [str(p) for p in paths], "mode": opts["server"] or "auto",
             "summary": rag_summary(rows, opts)}
 
 
 def rag_summary(rows: list[dict], opts: dict) -> dict:
-    """The ``--json`` fields: median TTFTs, the prefix cache's hit rate, identical answers, the fraction."""
+    """The ``--json`` fields: median TTFTs, the hit rates, identical answers, the blended answers' fidelity to the
+    cold ones (first tokens the same, of ``num_questions``; teacher-forced top-1: the share of the cold answers'
+    tokens blending's KV predicts when fed the cold answer), the fraction."""
     total = sum(r["num_prompt_tokens"] for r in rows)
     return {
         "num_documents": opts["documents"], "num_questions": len(rows), "fraction": opts["fraction"],
@@ -167,5 +190,7 @@ def rag_summary(rows: list[dict], opts: dict) -> dict:
         "blend_recomputed_share": sum(r["blend_recomputed_tokens"] for r in rows) / total,
         "prefix_answers_identical": sum(r["prefix_identical"] for r in rows),
         "blend_answers_identical": sum(r["blend_identical"] for r in rows),
+        "blend_first_tokens_same": sum(r["blend_first_token_same"] for r in rows),
+        "blend_forced_top1": sum(r["blend_forced_matches"] for r in rows) / sum(r["num_answer_tokens"] for r in rows),
         "blended": all(r["blended"] for r in rows),
     }

@@ -1,8 +1,11 @@
-"""Blending's refusals (issue 18, bad input): a position encoding kvtier cannot re-rotate falls back to prefix reuse
-with a clear reason; a document stored under another KV layout (dtype) is a miss, never wrong KV. Real
-transformers models (Llama built from a real config), a real KVCache."""
+"""Blending's refusals (issues 18, 43; bad input): a model kvtier cannot blend (its position encoding, its attention)
+raises BlendUnsupportedError, or with allow_fallback=True gets prefix reuse, counted and logged once; a document
+stored under another KV layout (dtype) is a miss, never wrong KV. Real transformers models (Llama built from a real
+config), a real KVCache."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -49,21 +52,42 @@ def test_sliding_window_without_layer_types_is_refused():
 
 
 @torch.inference_mode()
-def test_unrotatable_rope_falls_back_to_prefix_reuse():
+def test_unrotatable_rope_raises_unless_fallback_is_allowed_then_prefix_reuse_is_counted_and_logged_once(caplog):
     model = _dynamic_rope_llama()
     with pytest.raises(BlendUnsupportedError, match=r"'llama'.*'dynamic'"):
         RopeRotator.for_model(model)
     conn = HFConnector(model, _cache(model))
     ids = torch.cat([_ids(8, 1), _ids(40, 2), _ids(40, 3), _ids(5, 4)], dim=1)
     segs = segments_from_lengths([8, 40, 40, 5], ["prefix", "doc", "doc", "text"])
+    with pytest.raises(BlendUnsupportedError, match="dynamic"):  # blending is explicit: no silent fallback
+        conn.prefill_segments(ids, segs)
+    with pytest.raises(BlendUnsupportedError, match="dynamic"):
+        conn.store_document(ids[0, 8:48], ids[0, :8])
+    assert conn.metrics.value("kvtier_blend_fallbacks_total") == 0 and conn.metrics is conn.cache.metrics
     full = model(ids, use_cache=True).logits[:, -1]
-    logits, _, stats = conn.prefill_segments(ids, segs)
-    assert stats["blended"] is False and "dynamic" in stats["blend_refused"]
-    assert stats["num_hit_tokens"] == 0 and stats["num_stored_chunks"] == 93 // CHUNK
-    torch.testing.assert_close(logits, full)
-    logits, _, stats = conn.prefill_segments(ids, segs)  # the prompt's prefix chunks are reused, exactly
-    assert stats["blended"] is False and stats["num_hit_tokens"] == CHUNK * (93 // CHUNK)
-    torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
+    with caplog.at_level(logging.WARNING, logger="kvtier.blend"):
+        logits, _, stats = conn.prefill_segments(ids, segs, allow_fallback=True)
+        assert stats["blended"] is False and "dynamic" in stats["blend_refused"]
+        assert stats["num_hit_tokens"] == 0 and stats["num_stored_chunks"] == 93 // CHUNK
+        torch.testing.assert_close(logits, full)
+        logits, _, stats = conn.prefill_segments(ids, segs, allow_fallback=True)  # prefix chunks reused, exactly
+        assert stats["blended"] is False and stats["num_hit_tokens"] == CHUNK * (93 // CHUNK)
+        torch.testing.assert_close(logits, full, atol=1e-5, rtol=0)
+        stats = conn.store_document(ids[0, 8:48], ids[0, :8], allow_fallback=True)
+        assert stats["stored"] is False and "dynamic" in stats["blend_refused"]
+    assert conn.metrics.value("kvtier_blend_fallbacks_total") == 3
+    said = [r for r in caplog.records if r.name == "kvtier.blend" and "dynamic" in r.getMessage()]
+    assert len(said) <= 1  # once per process for this model type and reason (an earlier test may have said it)
+
+
+def test_an_attention_blending_cannot_mask_is_refused_up_front():
+    model = tiny_model(seed=3)
+    model.config._attn_implementation = "flex_attention"
+    conn = HFConnector(model, _cache(model))
+    with pytest.raises(BlendUnsupportedError, match="flex_attention"):
+        conn.prefill_segments(_ids(40, 1), segments_from_lengths([34, 6], ["doc", "text"]))
+    with pytest.raises(BlendUnsupportedError, match="attn_implementation='sdpa'"):
+        conn.store_document(_ids(40, 1))
 
 
 @torch.inference_mode()
