@@ -253,9 +253,21 @@ def _lower_priority(pid: int) -> None:
 
 
 def main() -> None:
-    """The child: answer ``HashJob`` frames on stdin until it closes."""
+    """The child: answer ``HashJob`` frames on stdin until it closes. A server gone (its pipes closed: it stopped,
+    or refused to start after starting this child) ends it quietly: it shares the server's stderr."""
+    try:
+        _serve(sys.stdin.buffer, sys.stdout.buffer)
+    except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            sys.stdout.close()
+        except OSError:
+            pass  # the server is gone: nothing left to flush to
+
+
+def _serve(stdin, stdout) -> None:
     decoder, encoder = msgspec.msgpack.Decoder(HashJob), msgspec.msgpack.Encoder()
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     _write(stdout, encoder.encode(HashReady()))
     while (body := _read(stdin)) is not None:
         try:
