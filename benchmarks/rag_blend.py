@@ -142,23 +142,27 @@ def run(args) -> dict:
     prefix, docs, prompts = build_workload(tokenizer, args.prompts, args.seed, args.model, args.docs)
     fractions = list(dict.fromkeys([DEFAULT_FRACTION, 0.0, *args.sweep]))
     knobs = {"head_tokens": args.head_tokens, "refine_layers": args.refine_layers, "widen": args.widen}
-    rags = {f: RAG(blend_conn, tokenizer, fraction=f, **knobs) for f in fractions}
+    # method label -> (fraction, guard, its RAG)
+    methods = {f"blend@{f:g}": (f, None, RAG(blend_conn, tokenizer, fraction=f, **knobs)) for f in fractions}
+    methods |= {f"guard@{g:g}": (DEFAULT_FRACTION, g, RAG(blend_conn, tokenizer, guard=g, **knobs))
+                for g in args.guards}
+    rag = methods[f"blend@{DEFAULT_FRACTION:g}"][2]
     print(f"{args.docs} documents, {args.model}: {len(prompts)} prompts ({sum(p['gold'] is not None for p in prompts)} "
           f"with a gold answer), {NUM_DOCS} documents of {min(map(len, docs))}-{max(map(len, docs))} tokens, chunk "
-          f"{CHUNK_SIZE}, fractions {fractions}", flush=True)
+          f"{CHUNK_SIZE}, methods {', '.join(methods)}", flush=True)
 
     # warm-up (not measured): the model once, then every document ingested as a RAG server would
     first = prompts[0]
-    full_prefill(model, rags[DEFAULT_FRACTION].prompt(prefix, [docs[d] for d in first["docs"]], first["question"])[0])
-    rags[DEFAULT_FRACTION].ingest(docs, prefix)
+    full_prefill(model, rag.prompt(prefix, [docs[d] for d in first["docs"]], first["question"])[0])
+    rag.ingest(docs, prefix)
     for doc in docs if not args.no_prefix_only else ():
         prefix_conn.prefill(torch.tensor([prefix + doc]))
 
-    rows = {"full": [], "prefix": [], **{f: [] for f in fractions}}
+    rows = {"full": [], "prefix": [], **{label: [] for label in methods}}
     hit_tokens = prompt_tokens = 0
     for i, p in enumerate(prompts):
         chosen = [docs[d] for d in p["docs"]]
-        ids = rags[DEFAULT_FRACTION].prompt(prefix, chosen, p["question"])[0]
+        ids = rag.prompt(prefix, chosen, p["question"])[0]
         n = ids.shape[1]
         ref_logits, ref_past, ref_ttft = full_prefill(model, ids)
         ref = {"logits": ref_logits, "answer": blend_conn.decode(ref_logits, ref_past, n, args.answer_tokens)}
@@ -172,20 +176,20 @@ def run(args) -> dict:
             rows["prefix"].append(measure(prefix_conn, tokenizer, logits, past, n, ref, p["gold"], args.answer_tokens,
                                           stats["ttft_seconds"]))
             line.append(f"prefix {stats['ttft_seconds']:.3f} s")
-        for f in fractions:
-            out = rags[f].query(prefix, chosen, p["question"])
+        for label, (_, _, method) in methods.items():
+            out = method.query(prefix, chosen, p["question"])
             assert out.stats["blended"] and out.stats["num_segment_stored"] == 0, out.stats  # documents were ingested
             row = measure(blend_conn, tokenizer, out.logits, out.past, n, ref, p["gold"], args.answer_tokens,
                           out.stats["ttft_seconds"])
             row["recomputed"] = out.stats["num_recomputed_tokens"] / n
-            rows[f].append(row)
-            line.append(f"blend@{f:g} {row['ttft']:.3f} s top-1 {'=' if row['first'] else 'x'} "
+            rows[label].append(row)
+            line.append(f"{label} {row['ttft']:.3f} s top-1 {'=' if row['first'] else 'x'} "
                         f"forced {row['forced'] * 100:.0f}%" + ("" if p["gold"] is None else
                                                                  f" {'ok' if row['correct'] else 'no'}"))
         if p["gold"] is not None:
             line.append(f"gold {p['gold']!r}: full {'ok' if rows['full'][-1]['correct'] else 'no'}")
         print(", ".join(line), flush=True)
-    return {"rows": rows, "fractions": fractions, "hit_rate": hit_tokens / max(prompt_tokens, 1), "knobs": knobs,
+    return {"rows": rows, "methods": {label: (f, g) for label, (f, g, _) in methods.items()}, "hit_rate": hit_tokens / max(prompt_tokens, 1), "knobs": knobs,
             "title": MODELS[args.model][1], "docs": args.docs, "model": args.model, "prompts": len(prompts)}
 
 
@@ -202,13 +206,13 @@ def report(result: dict) -> list[dict]:
     print(f"\n{result['title']}, {result['docs']} documents, {result['prompts']} prompts ({graded} graded)")
     print(f"full prefill (baseline)  mean TTFT {full:.3f} s; task accuracy {full_acc:.1f}%")
     table = []
-    for name in ["prefix", *result["fractions"]]:
+    for name, (fraction, guard) in [("prefix", (None, None)), *result["methods"].items()]:
         r = rows[name]
         if not r:  # --no-prefix-only
             continue
         ttft = statistics.mean(x["ttft"] for x in r)
-        entry = {"method": "prefix-only" if name == "prefix" else f"blend@{name:g}",
-                 "fraction": None if name == "prefix" else name, "ttft_seconds": ttft, "ttft_vs_full": ttft / full,
+        entry = {"method": "prefix-only" if name == "prefix" else name, "fraction": fraction, "guard": guard,
+                 "ttft_seconds": ttft, "ttft_vs_full": ttft / full,
                  "first_top1_percent": 100 * sum(x["first"] for x in r) / len(r),
                  "forced_top1_percent": 100 * statistics.mean(x["forced"] for x in r),
                  "identical_percent": 100 * sum(x["same"] for x in r) / len(r),
@@ -217,13 +221,13 @@ def report(result: dict) -> list[dict]:
         if name != "prefix":
             entry["recomputed_share"] = statistics.mean(x["recomputed"] for x in r)
         table.append(entry)
-        label = " (default)" if name == DEFAULT_FRACTION else ""
+        label = " (default)" if name == f"blend@{DEFAULT_FRACTION:g}" else ""
         print(f"{entry['method']:<12}{label:<10} TTFT {ttft:.3f} s = {entry['ttft_vs_full']:.3f}x full; first-token "
               f"top-1 {entry['first_top1_percent']:.1f}%, teacher-forced top-1 {entry['forced_top1_percent']:.1f}%, "
               f"identical {entry['identical_percent']:.1f}%, KL {entry['mean_kl']:.4f}, task accuracy "
               f"{entry['task_accuracy_percent']:.1f}% (full {full_acc:.1f}%)"
               + (f", recomputed {entry['recomputed_share'] * 100:.1f}% of tokens" if name != "prefix" else ""))
-    default = next(e for e in table if e["fraction"] == DEFAULT_FRACTION)
+    default = next(e for e in table if e["method"] == f"blend@{DEFAULT_FRACTION:g}")
     met = {"ttft": default["ttft_vs_full"] <= BAR["ttft_vs_full"],
            "first-token top-1": default["first_top1_percent"] >= BAR["first_top1_percent"],
            "teacher-forced top-1": default["forced_top1_percent"] >= BAR["forced_top1_percent"],
@@ -241,6 +245,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24, help="number of prompts (default 24)")
     ap.add_argument("--sweep", default="0.5", help="comma-separated recompute fractions in [0, 1] besides the "
                                                    "default and 0 (default 0.5)")
+    ap.add_argument("--guards", default="", help="comma-separated quality-guard settings (kvtier.blend's guard: the "
+                    "relative deviation at which a document gets the default fraction) to run beside the fractions")
     ap.add_argument("--answer-tokens", type=int, default=32, help="greedy answer length (default 32)")
     ap.add_argument("--seed", type=int, default=0, help="picks documents, subsets, order and questions")
     ap.add_argument("--head-tokens", type=int, default=DEFAULT_HEAD_TOKENS,
@@ -253,19 +259,37 @@ def main() -> None:
                     help="skip prefix-only caching (its fidelity is exact by construction; saves ~0.7-1x a full "
                          "prefill per prompt on a slow model)")
     ap.add_argument("--json", type=Path, default=None, help="write the table here as JSON")
+    ap.add_argument("--chart", type=Path, default=None,
+                    help="draw fidelity vs TTFT of the fractions and the guard settings here (charts.rag_curves_chart); "
+                         "with several --json files given as --chart-from, one panel each")
+    ap.add_argument("--chart-from", type=Path, nargs="*", default=(),
+                    help="draw --chart from these --json files instead of running")
     args = ap.parse_args()
     try:
         args.sweep = [float(x) for x in args.sweep.split(",") if x.strip()]
+        args.guards = [float(x) for x in args.guards.split(",") if x.strip()]
     except ValueError:
-        ap.error(f"--sweep takes comma-separated numbers, got {args.sweep!r}")
-    if any(not 0 <= f <= 1 for f in args.sweep) or args.prompts < 1 or args.answer_tokens < 1:
-        ap.error("--sweep fractions must lie in [0, 1]; --prompts and --answer-tokens must be >= 1")
+        ap.error(f"--sweep and --guards take comma-separated numbers, got {args.sweep!r}, {args.guards!r}")
+    if any(not 0 <= f <= 1 for f in args.sweep) or any(not g > 0 for g in args.guards) or args.prompts < 1 or args.answer_tokens < 1:
+        ap.error("--sweep fractions must lie in [0, 1], --guards be > 0; --prompts and --answer-tokens must be >= 1")
+    if args.chart_from:
+        if not args.chart:
+            ap.error("--chart-from needs --chart")
+        from charts import rag_curves_chart
+        rag_curves_chart([json.loads(p.read_text()) for p in args.chart_from], args.chart)
+        print(f"wrote {args.chart}")
+        return
     torch.manual_seed(args.seed)
     result = run(args)
     table = report(result)
+    out = {"docs": args.docs, "model": args.model, "prompts": args.prompts, "hit_rate": result["hit_rate"],
+           "table": table}
     if args.json:
-        args.json.write_text(json.dumps({"docs": args.docs, "model": args.model, "prompts": args.prompts,
-                                         "hit_rate": result["hit_rate"], "table": table}, indent=1))
+        args.json.write_text(json.dumps(out, indent=1))
+    if args.chart:
+        from charts import rag_curves_chart
+        rag_curves_chart([out], args.chart)
+        print(f"wrote {args.chart}")
 
 
 if __name__ == "__main__":
