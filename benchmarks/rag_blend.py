@@ -142,11 +142,8 @@ def run(args) -> dict:
     prefix, docs, prompts = build_workload(tokenizer, args.prompts, args.seed, args.model, args.docs)
     fractions = list(dict.fromkeys([DEFAULT_FRACTION, 0.0, *args.sweep]))
     knobs = {"head_tokens": args.head_tokens, "refine_layers": args.refine_layers, "widen": args.widen}
-    # method label -> (fraction, guard, its RAG)
-    methods = {f"blend@{f:g}": (f, None, RAG(blend_conn, tokenizer, fraction=f, **knobs)) for f in fractions}
-    methods |= {f"guard@{g:g}": (DEFAULT_FRACTION, g, RAG(blend_conn, tokenizer, guard=g, **knobs))
-                for g in args.guards}
-    rag = methods[f"blend@{DEFAULT_FRACTION:g}"][2]
+    methods = {f"blend@{f:g}": (f, RAG(blend_conn, tokenizer, fraction=f, **knobs)) for f in fractions}
+    rag = methods[f"blend@{DEFAULT_FRACTION:g}"][1]
     print(f"{args.docs} documents, {args.model}: {len(prompts)} prompts ({sum(p['gold'] is not None for p in prompts)} "
           f"with a gold answer), {NUM_DOCS} documents of {min(map(len, docs))}-{max(map(len, docs))} tokens, chunk "
           f"{CHUNK_SIZE}, methods {', '.join(methods)}", flush=True)
@@ -176,7 +173,7 @@ def run(args) -> dict:
             rows["prefix"].append(measure(prefix_conn, tokenizer, logits, past, n, ref, p["gold"], args.answer_tokens,
                                           stats["ttft_seconds"]))
             line.append(f"prefix {stats['ttft_seconds']:.3f} s")
-        for label, (_, _, method) in methods.items():
+        for label, (_, method) in methods.items():
             out = method.query(prefix, chosen, p["question"])
             assert out.stats["blended"] and out.stats["num_segment_stored"] == 0, out.stats  # documents were ingested
             row = measure(blend_conn, tokenizer, out.logits, out.past, n, ref, p["gold"], args.answer_tokens,
@@ -189,7 +186,7 @@ def run(args) -> dict:
         if p["gold"] is not None:
             line.append(f"gold {p['gold']!r}: full {'ok' if rows['full'][-1]['correct'] else 'no'}")
         print(", ".join(line), flush=True)
-    return {"rows": rows, "methods": {label: (f, g) for label, (f, g, _) in methods.items()}, "hit_rate": hit_tokens / max(prompt_tokens, 1), "knobs": knobs,
+    return {"rows": rows, "methods": {label: f for label, (f, _) in methods.items()}, "hit_rate": hit_tokens / max(prompt_tokens, 1), "knobs": knobs,
             "title": MODELS[args.model][1], "docs": args.docs, "model": args.model, "prompts": len(prompts)}
 
 
@@ -206,12 +203,12 @@ def report(result: dict) -> list[dict]:
     print(f"\n{result['title']}, {result['docs']} documents, {result['prompts']} prompts ({graded} graded)")
     print(f"full prefill (baseline)  mean TTFT {full:.3f} s; task accuracy {full_acc:.1f}%")
     table = []
-    for name, (fraction, guard) in [("prefix", (None, None)), *result["methods"].items()]:
+    for name, fraction in [("prefix", None), *result["methods"].items()]:
         r = rows[name]
         if not r:  # --no-prefix-only
             continue
         ttft = statistics.mean(x["ttft"] for x in r)
-        entry = {"method": "prefix-only" if name == "prefix" else name, "fraction": fraction, "guard": guard,
+        entry = {"method": "prefix-only" if name == "prefix" else name, "fraction": fraction,
                  "ttft_seconds": ttft, "ttft_vs_full": ttft / full,
                  "first_top1_percent": 100 * sum(x["first"] for x in r) / len(r),
                  "forced_top1_percent": 100 * statistics.mean(x["forced"] for x in r),
@@ -245,8 +242,6 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24, help="number of prompts (default 24)")
     ap.add_argument("--sweep", default="0.5", help="comma-separated recompute fractions in [0, 1] besides the "
                                                    "default and 0 (default 0.5)")
-    ap.add_argument("--guards", default="", help="comma-separated quality-guard settings (kvtier.blend's guard: the "
-                    "relative deviation at which a document gets the default fraction) to run beside the fractions")
     ap.add_argument("--answer-tokens", type=int, default=32, help="greedy answer length (default 32)")
     ap.add_argument("--seed", type=int, default=0, help="picks documents, subsets, order and questions")
     ap.add_argument("--head-tokens", type=int, default=DEFAULT_HEAD_TOKENS,
@@ -260,18 +255,17 @@ def main() -> None:
                          "prefill per prompt on a slow model)")
     ap.add_argument("--json", type=Path, default=None, help="write the table here as JSON")
     ap.add_argument("--chart", type=Path, default=None,
-                    help="draw fidelity vs TTFT of the fractions and the guard settings here (charts.rag_curves_chart); "
-                         "with several --json files given as --chart-from, one panel each")
+                    help="draw fidelity vs TTFT of the fractions here (charts.rag_curves_chart; a --json file of "
+                         "issue 43's guard run, 0e8dfbd, adds the guard's curve)")
     ap.add_argument("--chart-from", type=Path, nargs="*", default=(),
                     help="draw --chart from these --json files instead of running")
     args = ap.parse_args()
     try:
         args.sweep = [float(x) for x in args.sweep.split(",") if x.strip()]
-        args.guards = [float(x) for x in args.guards.split(",") if x.strip()]
     except ValueError:
-        ap.error(f"--sweep and --guards take comma-separated numbers, got {args.sweep!r}, {args.guards!r}")
-    if any(not 0 <= f <= 1 for f in args.sweep) or any(not g > 0 for g in args.guards) or args.prompts < 1 or args.answer_tokens < 1:
-        ap.error("--sweep fractions must lie in [0, 1], --guards be > 0; --prompts and --answer-tokens must be >= 1")
+        ap.error(f"--sweep takes comma-separated numbers, got {args.sweep!r}")
+    if any(not 0 <= f <= 1 for f in args.sweep) or args.prompts < 1 or args.answer_tokens < 1:
+        ap.error("--sweep fractions must lie in [0, 1]; --prompts and --answer-tokens must be >= 1")
     if args.chart_from:
         if not args.chart:
             ap.error("--chart-from needs --chart")

@@ -16,17 +16,15 @@ DEFAULT_HEAD_TOKENS = 1  # first tokens of each later document always recomputed
 DEFAULT_CHECK_LAYER = 1  # the layer whose K/V deviation picks the recomputed tokens
 DEFAULT_REFINE_LAYERS = 0  # CacheBlend's gradual filtering: off (measured no better on this workload)
 DEFAULT_WIDEN = 2.0  # with refine_layers: the check layer's selection is this many times the final one
-DEFAULT_GUARD = None  # the quality guard (select.select_guarded): off
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_knobs(head_tokens, check_layer, refine_layers, widen, num_layers: int, guard=None) -> None:
+def check_knobs(head_tokens, check_layer, refine_layers, widen, num_layers: int) -> None:
     """Raise InputError naming the first bad knob: ``head_tokens`` an int >= 0, ``check_layer`` an int in
-    ``[1, num_layers - 1]``, ``refine_layers`` an int >= 0, ``widen`` a number >= 1, ``guard`` None or a number
-    > 0, and not both ``guard`` and ``refine_layers``."""
+    ``[1, num_layers - 1]``, ``refine_layers`` an int >= 0, ``widen`` a number >= 1."""
     if not _is_int(head_tokens) or head_tokens < 0:
         raise InputError(f"head_tokens must be an int >= 0, got {head_tokens!r}")
     if not _is_int(check_layer) or not 1 <= check_layer < num_layers:
@@ -35,7 +33,3 @@ def check_knobs(head_tokens, check_layer, refine_layers, widen, num_layers: int,
         raise InputError(f"refine_layers must be an int >= 0, got {refine_layers!r}")
     if isinstance(widen, bool) or not isinstance(widen, (int, float)) or not widen >= 1:
         raise InputError(f"widen must be a number >= 1, got {widen!r}")
-    if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float)) or not guard > 0):
-        raise InputError(f"guard must be None (off) or a relative deviation > 0, got {guard!r}")
-    if guard is not None and refine_layers:
-        raise InputError("guard and refine_layers are two ways of choosing the recomputed tokens: set one of them")

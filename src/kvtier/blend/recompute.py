@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvtier.blend.rope import RopeRotator
-from kvtier.blend.select import kv_deviation, select_guarded, select_top
+from kvtier.blend.select import kv_deviation, select_top
 from kvtier.errors import BlendUnsupportedError
 
 MASKED_ATTENTION = ("sdpa", "eager")  # attention implementations whose masks we build (bool / additive float)
@@ -116,8 +116,7 @@ def check_attention(model) -> str:
 def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   reused: torch.Tensor, forced: torch.Tensor, fraction: float, *, check_layer: int = 1,
                   exact: torch.Tensor | None = None, refine_layers: int = 0, widen: float = 1.0,
-                  attention_blocks: int = ATTENTION_BLOCKS, rotator: RopeRotator | None = None,
-                  guard: float | None = None, doc_index: torch.Tensor | None = None):
+                  attention_blocks: int = ATTENTION_BLOCKS, rotator: RopeRotator | None = None):
     """Prefill ``input_ids`` over the assembled K/V, recomputing the forced and the selected tokens.
 
     Args:
@@ -136,10 +135,6 @@ def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], valu
         widen: with ``refine_layers``, the check layer keeps ``widen`` times the final count (>= 1).
         attention_blocks: the selected rows go through each layer in up to this many blocks (>= 1).
         rotator: the model's ``RopeRotator`` (its layer types and windows); default ``RopeRotator.for_model``.
-        guard: the quality guard (``select.select_guarded``): each document's share scales with its relative
-            deviation at the check layer, ``fraction`` at a deviation of ``guard``; None: ``fraction`` of the
-            candidates, wherever they deviate most. Needs ``doc_index``; not with ``refine_layers``.
-        doc_index: ``[T]`` long, each token's document (< 0: none); with ``guard``.
 
     Returns:
         ``(logits_last [1, vocab], DynamicCache of all T tokens (over ``keys`` / ``values``), num_recomputed)``:
@@ -177,12 +172,7 @@ def blend_prefill(model, input_ids: torch.Tensor, keys: list[torch.Tensor], valu
             continue
         if i == check_layer:
             k, v = _check_kv(layer, hidden, *rope[kind])
-            deviation = kv_deviation(k, v, keys[i], values[i])
-            if guard is None:
-                rows = select_top(deviation, candidates, forced, first)
-            else:
-                scale = (k ** 2).sum(dim=(0, 1, 3)) + (v ** 2).sum(dim=(0, 1, 3))
-                rows = select_guarded(deviation, scale, candidates, forced, doc_index, fraction, guard)
+            rows = select_top(kv_deviation(k, v, keys[i], values[i]), candidates, forced, first)
             hidden = hidden[:, rows]
             rope = {t: (c[:, rows], s[:, rows]) for t, (c, s) in rope.items()}
         step = i - check_layer  # layers check+1 .. check+refine_layers narrow the selection

@@ -38,33 +38,6 @@ def select_tokens(deviation: torch.Tensor, candidates: torch.Tensor, forced: tor
     return select_top(deviation, candidates, forced, round(fraction * int((candidates & ~forced).sum())))
 
 
-def select_guarded(deviation: torch.Tensor, scale: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor,
-                   doc_index: torch.Tensor, fraction: float, guard: float) -> torch.Tensor:
-    """The quality guard's selection: sorted indexes of every ``forced`` token plus, in each document, its
-    candidates of highest ``deviation``, ``min(1, fraction * r_d / guard)`` of them, where ``r_d`` is the
-    document's mean relative deviation (``deviation / scale`` over its candidates). A document that deviates
-    ``guard`` gets ``fraction`` recomputed; one that deviates twice as much, twice that; one that barely moved,
-    almost none.
-
-    Args:
-        deviation: ``[T]`` float, per-token squared K/V deviation at the check layer (``kv_deviation``).
-        scale: ``[T]`` float, per-token squared norm of the new K/V there (what makes the deviation relative).
-        candidates, forced: ``[T]`` bool, as ``select_tokens``.
-        doc_index: ``[T]`` long, each token's document (any distinct ids; < 0: none).
-        fraction: in [0, 1]. guard: > 0, the relative deviation at which a document gets ``fraction``.
-    """
-    chosen = forced.clone()
-    free = candidates & ~forced
-    relative = deviation / scale.clamp_min(torch.finfo(scale.dtype).tiny)
-    for doc in torch.unique(doc_index[free & (doc_index >= 0)]).tolist():
-        idx = torch.nonzero(free & (doc_index == doc)).flatten()
-        share = min(1.0, fraction * float(relative[idx].mean()) / guard)
-        count = round(share * int(idx.numel()))
-        if count > 0:
-            chosen[idx[torch.topk(deviation[idx], count).indices]] = True
-    return torch.nonzero(chosen).flatten()
-
-
 def select_top(deviation: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor, count: int) -> torch.Tensor:
     """Sorted indexes (into these ``[N]`` tensors) of every ``forced`` entry plus the ``count`` ``candidates``
     (not forced) of highest ``deviation`` (all of them when there are fewer)."""

@@ -28,8 +28,8 @@ import torch
 from transformers import DynamicCache
 
 from kvtier.blend.assemble import KVAssembly
-from kvtier.blend.knobs import (DEFAULT_CHECK_LAYER, DEFAULT_FRACTION, DEFAULT_GUARD, DEFAULT_HEAD_TOKENS,
-                                DEFAULT_REFINE_LAYERS, DEFAULT_WIDEN, check_knobs)
+from kvtier.blend.knobs import (DEFAULT_CHECK_LAYER, DEFAULT_FRACTION, DEFAULT_HEAD_TOKENS, DEFAULT_REFINE_LAYERS,
+                                DEFAULT_WIDEN, check_knobs)
 from kvtier.blend.recompute import blend_prefill, cache_over, check_attention
 from kvtier.blend.rope import RopeRotator
 from kvtier.blend.segments import Segment, validate_segments
@@ -166,7 +166,7 @@ def store_document(connector, document_ids, prefix_ids=None, *, allow_fallback: 
 def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAULT_FRACTION,
                      head_tokens: int = DEFAULT_HEAD_TOKENS, check_layer: int = DEFAULT_CHECK_LAYER,
                      refine_layers: int = DEFAULT_REFINE_LAYERS, widen: float = DEFAULT_WIDEN,
-                     guard: float | None = DEFAULT_GUARD, allow_fallback: bool = False):
+                     allow_fallback: bool = False):
     """Blended prefill of one prompt marked as segments (see the module docstring).
 
     Args:
@@ -180,8 +180,6 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
         refine_layers: CacheBlend's gradual filtering: layers after the check layer that narrow a selection
             ``widen`` times larger down to ``fraction`` (0: select once).
         widen: see ``refine_layers`` (>= 1).
-        guard: the quality guard: each reused document's share is ``fraction`` scaled by its relative K/V deviation
-            at the check layer over ``guard`` (``kvtier.blend.select.select_guarded``); None: ``fraction`` of all.
         allow_fallback: when the model cannot be blended, run a plain prefix-reuse prefill (``HFConnector.prefill``),
             log it once and count ``kvtier_blend_fallbacks_total``, instead of raising.
 
@@ -202,7 +200,7 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
     fraction = check_fraction(fraction)
     segs = validate_segments(segments, T, chunk_size_of(connector.cache) or 1)
     layout = connector.layout
-    check_knobs(head_tokens, check_layer, refine_layers, widen, layout.num_layers, guard)
+    check_knobs(head_tokens, check_layer, refine_layers, widen, layout.num_layers)
     try:
         rotator = blend_support(connector.model)
     except BlendUnsupportedError as exc:
@@ -244,14 +242,10 @@ def prefill_segments(connector, input_ids, segments, *, fraction: float = DEFAUL
             todo = torch.nonzero(~asm.reused[seg.start:seg.end]).flatten()
             if todo.numel():
                 asm.zero(seg.start + int(todo[0]), seg.end)
-    doc_index = torch.full((T,), -1, dtype=torch.long)
-    for i, seg in enumerate(segs):
-        if seg.kind == "doc":
-            doc_index[seg.start:seg.end] = i
     assembled = time.perf_counter()
     logits, past, num_recomputed = blend_prefill(
         connector.model, ids, asm.keys, asm.values, asm.reused, asm.forced, fraction, check_layer=check_layer,
-        exact=asm.exact, refine_layers=refine_layers, widen=widen, rotator=rotator, guard=guard, doc_index=doc_index)
+        exact=asm.exact, refine_layers=refine_layers, widen=widen, rotator=rotator)
     ready = time.perf_counter()
     for seg, kv in computed:
         cache.store(ids[0, seg.start:seg.end], kv, ns)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.blend.knobs import (DEFAULT_CHECK_LAYER, DEFAULT_FRACTION, DEFAULT_GUARD, DEFAULT_HEAD_TOKENS,
-                                DEFAULT_REFINE_LAYERS, DEFAULT_WIDEN, check_knobs)
+from kvtier.blend.knobs import (DEFAULT_CHECK_LAYER, DEFAULT_FRACTION, DEFAULT_HEAD_TOKENS, DEFAULT_REFINE_LAYERS,
+                                DEFAULT_WIDEN, check_knobs)
 from kvtier.blend.segments import Segment, segments_from_lengths
 from kvtier.blend.select import check_fraction
 from kvtier.connectors.hf_kv import chunk_size_of
@@ -71,7 +71,7 @@ class RAG:
     Args:
         connector: an ``HFConnector`` (its model and cache).
         tokenizer: the model's Hugging Face tokenizer; needed only for parts given as text.
-        fraction, head_tokens, check_layer, refine_layers, widen, guard: blending's knobs (``kvtier.blend``; defaults
+        fraction, head_tokens, check_layer, refine_layers, widen: blending's knobs (``kvtier.blend``; defaults
             ``DEFAULT_*`` there).
         allow_fallback: a model blending cannot serve (its RoPE, its attention) gets prefix reuse only, logged
             once and counted in ``kvtier_blend_fallbacks_total``; False (default): ``BlendUnsupportedError``.
@@ -83,13 +83,12 @@ class RAG:
     def __init__(self, connector, tokenizer=None, *, fraction: float = DEFAULT_FRACTION,
                  head_tokens: int = DEFAULT_HEAD_TOKENS, check_layer: int = DEFAULT_CHECK_LAYER,
                  refine_layers: int = DEFAULT_REFINE_LAYERS, widen: float = DEFAULT_WIDEN,
-                 guard: float | None = DEFAULT_GUARD, allow_fallback: bool = False):
+                 allow_fallback: bool = False):
         self.connector = connector
         self.tokenizer = tokenizer
-        check_knobs(head_tokens, check_layer, refine_layers, widen, connector.layout.num_layers, guard)
+        check_knobs(head_tokens, check_layer, refine_layers, widen, connector.layout.num_layers)
         self.knobs = {"fraction": check_fraction(fraction), "head_tokens": head_tokens, "check_layer": check_layer,
-                      "refine_layers": refine_layers, "widen": widen, "guard": guard,
-                      "allow_fallback": bool(allow_fallback)}
+                      "refine_layers": refine_layers, "widen": widen, "allow_fallback": bool(allow_fallback)}
 
     def tokens(self, part, what: str, *, special: bool = False) -> list[int]:
         """One part's token ids: ids as given (validated), text through the tokenizer (its special tokens only

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kvtier.blend import Segment, check_fraction, check_knobs, segments_from_lengths, validate_segments
-from kvtier.blend.select import select_guarded, select_tokens, select_top
+from kvtier.blend import Segment, check_fraction, segments_from_lengths, validate_segments
+from kvtier.blend.select import select_tokens, select_top
 from kvtier.errors import InputError
 
 
@@ -58,32 +58,3 @@ def test_selection_takes_forced_tokens_and_the_top_candidates():
     assert select_tokens(deviation, candidates, forced, 0.5).tolist() == [2, 3, 5]  # 2 of 4 candidates
     assert select_tokens(deviation, candidates, forced, 0.0).tolist() == [5]
     assert select_top(deviation, candidates, forced, 99).tolist() == [1, 2, 3, 4, 5]  # no more than there are
-
-
-def test_the_guard_recomputes_more_of_the_document_that_deviates_more():
-    # two documents of 10 candidates each; the second deviates 4x as much (relative to the same scale)
-    deviation = torch.cat([torch.linspace(1, 2, 10), 4 * torch.linspace(1, 2, 10), torch.zeros(2)])
-    scale = torch.full((22,), 100.0)
-    candidates = torch.tensor([True] * 20 + [False, False])
-    forced = torch.tensor([False] * 21 + [True])
-    doc_index = torch.tensor([0] * 10 + [1] * 10 + [-1, -1])
-    # document 0's mean relative deviation is 0.015: at guard 0.015 it gets the fraction (2 of 10), document 1 4x that
-    chosen = select_guarded(deviation, scale, candidates, forced, doc_index, 0.2, 0.015).tolist()
-    assert chosen == [8, 9, 12, 13, 14, 15, 16, 17, 18, 19, 21]
-    # a guard 4x higher: a quarter of each share (0.05 of document 0 rounds to none)
-    assert select_guarded(deviation, scale, candidates, forced, doc_index, 0.2, 0.06).tolist() == [18, 19, 21]
-    # shares are capped at the whole document; tokens outside documents are never chosen
-    everything = select_guarded(deviation, scale, candidates, forced, doc_index, 1.0, 1e-6).tolist()
-    assert everything == list(range(20)) + [21]
-
-
-@pytest.mark.parametrize("guard", [0, -1.0, True, "0.01", math.nan])
-def test_a_bad_guard_is_refused(guard):
-    with pytest.raises(InputError, match="guard must be None"):
-        check_knobs(1, 1, 0, 2.0, 30, guard)
-
-
-def test_the_guard_and_gradual_filtering_are_not_combined():
-    check_knobs(1, 1, 0, 2.0, 30, 0.001)
-    with pytest.raises(InputError, match="set one of them"):
-        check_knobs(1, 1, 2, 2.0, 30, 0.001)
