@@ -26,7 +26,11 @@ top-1 >= 90 %, task accuracy within 10 points of the full prefill's.
 
     PYTHONPATH=$PWD/src .venv/bin/python benchmarks/rag_blend.py [--docs debian|pydoc] [--model smollm2|gemma3]
         [--prompts 24] [--sweep 0,0.5] [--answer-tokens 32] [--seed 0] [--head-tokens N] [--refine-layers N]
-        [--widen X] [--no-prefix-only] [--json out.json]
+        [--widen X] [--no-prefix-only] [--json out.json] [--chart out.png]
+    .venv/bin/python benchmarks/rag_blend.py --chart out.png --chart-from run.json [run2.json ...]
+
+``--chart``: teacher-forced top-1 against TTFT / full (``charts.rag_curves_chart``), one panel per run; the run of
+issue 43's quality guard (``benchmarks/results/rag_guard_smollm2_pydoc.json``) adds the guard's curve.
 """
 
 from __future__ import annotations
