@@ -190,8 +190,9 @@ def run(args) -> dict:
         if p["gold"] is not None:
             line.append(f"gold {p['gold']!r}: full {'ok' if rows['full'][-1]['correct'] else 'no'}")
         print(", ".join(line), flush=True)
-    return {"rows": rows, "methods": {label: f for label, (f, _) in methods.items()}, "hit_rate": hit_tokens / max(prompt_tokens, 1), "knobs": knobs,
-            "title": MODELS[args.model][1], "docs": args.docs, "model": args.model, "prompts": len(prompts)}
+    return {"rows": rows, "methods": {label: f for label, (f, _) in methods.items()},
+            "hit_rate": hit_tokens / max(prompt_tokens, 1), "knobs": knobs, "title": MODELS[args.model][1],
+            "docs": args.docs, "model": args.model, "prompts": len(prompts)}
 
 
 def _accuracy(rows) -> float | None:

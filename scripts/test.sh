@@ -17,4 +17,4 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   for _ in $(seq 50); do redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && break; sleep 0.1; done
 fi
 # two workers: the engine tests on one, one after another; the rest on the other (tests/conftest.py)
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadscope "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --durations=15 "$@"
