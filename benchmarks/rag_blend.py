@@ -146,24 +146,23 @@ def run(args) -> dict:
     prefix, docs, prompts = build_workload(tokenizer, args.prompts, args.seed, args.model, args.docs)
     fractions = list(dict.fromkeys([DEFAULT_FRACTION, 0.0, *args.sweep]))
     knobs = {"head_tokens": args.head_tokens, "refine_layers": args.refine_layers, "widen": args.widen}
-    methods = {f"blend@{f:g}": (f, RAG(blend_conn, tokenizer, fraction=f, **knobs)) for f in fractions}
-    rag = methods[f"blend@{DEFAULT_FRACTION:g}"][1]
+    rags = {f: RAG(blend_conn, tokenizer, fraction=f, **knobs) for f in fractions}
     print(f"{args.docs} documents, {args.model}: {len(prompts)} prompts ({sum(p['gold'] is not None for p in prompts)} "
           f"with a gold answer), {NUM_DOCS} documents of {min(map(len, docs))}-{max(map(len, docs))} tokens, chunk "
-          f"{CHUNK_SIZE}, methods {', '.join(methods)}", flush=True)
+          f"{CHUNK_SIZE}, fractions {fractions}", flush=True)
 
     # warm-up (not measured): the model once, then every document ingested as a RAG server would
     first = prompts[0]
-    full_prefill(model, rag.prompt(prefix, [docs[d] for d in first["docs"]], first["question"])[0])
-    rag.ingest(docs, prefix)
+    full_prefill(model, rags[DEFAULT_FRACTION].prompt(prefix, [docs[d] for d in first["docs"]], first["question"])[0])
+    rags[DEFAULT_FRACTION].ingest(docs, prefix)
     for doc in docs if not args.no_prefix_only else ():
         prefix_conn.prefill(torch.tensor([prefix + doc]))
 
-    rows = {"full": [], "prefix": [], **{label: [] for label in methods}}
+    rows = {"full": [], "prefix": [], **{f: [] for f in fractions}}
     hit_tokens = prompt_tokens = 0
     for i, p in enumerate(prompts):
         chosen = [docs[d] for d in p["docs"]]
-        ids = rag.prompt(prefix, chosen, p["question"])[0]
+        ids = rags[DEFAULT_FRACTION].prompt(prefix, chosen, p["question"])[0]
         n = ids.shape[1]
         ref_logits, ref_past, ref_ttft = full_prefill(model, ids)
         ref = {"logits": ref_logits, "answer": blend_conn.decode(ref_logits, ref_past, n, args.answer_tokens)}
@@ -177,22 +176,21 @@ def run(args) -> dict:
             rows["prefix"].append(measure(prefix_conn, tokenizer, logits, past, n, ref, p["gold"], args.answer_tokens,
                                           stats["ttft_seconds"]))
             line.append(f"prefix {stats['ttft_seconds']:.3f} s")
-        for label, (_, method) in methods.items():
-            out = method.query(prefix, chosen, p["question"])
+        for f in fractions:
+            out = rags[f].query(prefix, chosen, p["question"])
             assert out.stats["blended"] and out.stats["num_segment_stored"] == 0, out.stats  # documents were ingested
             row = measure(blend_conn, tokenizer, out.logits, out.past, n, ref, p["gold"], args.answer_tokens,
                           out.stats["ttft_seconds"])
             row["recomputed"] = out.stats["num_recomputed_tokens"] / n
-            rows[label].append(row)
-            line.append(f"{label} {row['ttft']:.3f} s top-1 {'=' if row['first'] else 'x'} "
+            rows[f].append(row)
+            line.append(f"blend@{f:g} {row['ttft']:.3f} s top-1 {'=' if row['first'] else 'x'} "
                         f"forced {row['forced'] * 100:.0f}%" + ("" if p["gold"] is None else
                                                                  f" {'ok' if row['correct'] else 'no'}"))
         if p["gold"] is not None:
             line.append(f"gold {p['gold']!r}: full {'ok' if rows['full'][-1]['correct'] else 'no'}")
         print(", ".join(line), flush=True)
-    return {"rows": rows, "methods": {label: f for label, (f, _) in methods.items()},
-            "hit_rate": hit_tokens / max(prompt_tokens, 1), "knobs": knobs, "title": MODELS[args.model][1],
-            "docs": args.docs, "model": args.model, "prompts": len(prompts)}
+    return {"rows": rows, "fractions": fractions, "hit_rate": hit_tokens / max(prompt_tokens, 1), "knobs": knobs,
+            "title": MODELS[args.model][1], "docs": args.docs, "model": args.model, "prompts": len(prompts)}
 
 
 def _accuracy(rows) -> float | None:
@@ -208,13 +206,13 @@ def report(result: dict) -> list[dict]:
     print(f"\n{result['title']}, {result['docs']} documents, {result['prompts']} prompts ({graded} graded)")
     print(f"full prefill (baseline)  mean TTFT {full:.3f} s; task accuracy {full_acc:.1f}%")
     table = []
-    for name, fraction in [("prefix", None), *result["methods"].items()]:
+    for name in ["prefix", *result["fractions"]]:
         r = rows[name]
         if not r:  # --no-prefix-only
             continue
         ttft = statistics.mean(x["ttft"] for x in r)
-        entry = {"method": "prefix-only" if name == "prefix" else name, "fraction": fraction,
-                 "ttft_seconds": ttft, "ttft_vs_full": ttft / full,
+        entry = {"method": "prefix-only" if name == "prefix" else f"blend@{name:g}",
+                 "fraction": None if name == "prefix" else name, "ttft_seconds": ttft, "ttft_vs_full": ttft / full,
                  "first_top1_percent": 100 * sum(x["first"] for x in r) / len(r),
                  "forced_top1_percent": 100 * statistics.mean(x["forced"] for x in r),
                  "identical_percent": 100 * sum(x["same"] for x in r) / len(r),
@@ -223,13 +221,13 @@ def report(result: dict) -> list[dict]:
         if name != "prefix":
             entry["recomputed_share"] = statistics.mean(x["recomputed"] for x in r)
         table.append(entry)
-        label = " (default)" if name == f"blend@{DEFAULT_FRACTION:g}" else ""
+        label = " (default)" if name == DEFAULT_FRACTION else ""
         print(f"{entry['method']:<12}{label:<10} TTFT {ttft:.3f} s = {entry['ttft_vs_full']:.3f}x full; first-token "
               f"top-1 {entry['first_top1_percent']:.1f}%, teacher-forced top-1 {entry['forced_top1_percent']:.1f}%, "
               f"identical {entry['identical_percent']:.1f}%, KL {entry['mean_kl']:.4f}, task accuracy "
               f"{entry['task_accuracy_percent']:.1f}% (full {full_acc:.1f}%)"
               + (f", recomputed {entry['recomputed_share'] * 100:.1f}% of tokens" if name != "prefix" else ""))
-    default = next(e for e in table if e["method"] == f"blend@{DEFAULT_FRACTION:g}")
+    default = next(e for e in table if e["fraction"] == DEFAULT_FRACTION)
     met = {"ttft": default["ttft_vs_full"] <= BAR["ttft_vs_full"],
            "first-token top-1": default["first_top1_percent"] >= BAR["first_top1_percent"],
            "teacher-forced top-1": default["forced_top1_percent"] >= BAR["forced_top1_percent"],
@@ -271,23 +269,20 @@ def main() -> None:
         ap.error(f"--sweep takes comma-separated numbers, got {args.sweep!r}")
     if any(not 0 <= f <= 1 for f in args.sweep) or args.prompts < 1 or args.answer_tokens < 1:
         ap.error("--sweep fractions must lie in [0, 1]; --prompts and --answer-tokens must be >= 1")
+    if args.chart_from and not args.chart:
+        ap.error("--chart-from needs --chart")
     if args.chart_from:
-        if not args.chart:
-            ap.error("--chart-from needs --chart")
-        from charts import rag_curves_chart
-        rag_curves_chart([json.loads(p.read_text()) for p in args.chart_from], args.chart)
-        print(f"wrote {args.chart}")
-        return
-    torch.manual_seed(args.seed)
-    result = run(args)
-    table = report(result)
-    out = {"docs": args.docs, "model": args.model, "prompts": args.prompts, "hit_rate": result["hit_rate"],
-           "table": table}
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        runs = [json.loads(p.read_text()) for p in args.chart_from]
+    else:
+        torch.manual_seed(args.seed)
+        result = run(args)
+        runs = [{"docs": args.docs, "model": args.model, "prompts": args.prompts, "hit_rate": result["hit_rate"],
+                 "table": report(result)}]
+        if args.json:
+            args.json.write_text(json.dumps(runs[0], indent=1))
     if args.chart:
         from charts import rag_curves_chart
-        rag_curves_chart([out], args.chart)
+        rag_curves_chart(runs, args.chart)
         print(f"wrote {args.chart}")
 
 
