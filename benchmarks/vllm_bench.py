@@ -17,10 +17,12 @@ turn, concurrency ``--concurrency``, ``--ignore-eos``:
   random        random prompts (nothing to reuse: what a cache costs when it cannot help)
 
     PYTHONPATH=$PWD/src:$PWD .venv/bin/python benchmarks/vllm_bench.py [--quick] [--systems vllm,kvtier,lmcache,limit]
-        [--workloads prefix_large,prefix_fits,random] [--baseline-src DIR] [--py-spy DIR]
+        [--workloads prefix_large,prefix_fits,random] [--rounds N] [--baseline-src DIR] [--py-spy DIR]
 
 Prints mean / p99 TTFT and request throughput per workload and system, and every system's ratios to the limit, to
 LMCache and to vLLM alone. Writes benchmarks/results/vllm_bench.csv and docs/img/vllm_bench.png (--quick: /tmp).
+``--rounds N``: every system started and measured N times, every other round in reverse order, so that a ratio is
+not one 16-prompt run's luck; the ratios are printed per round and for the means over the rounds (the chart's bars).
 ``--py-spy DIR``: records each kvtier vLLM (all its processes) and kvtier server with py-spy (raw collapsed stacks,
 ``benchmarks/profile_stacks.py`` sums them); the profiler takes CPU, so never time a run that profiles.
 Exit status: 0, 1 when a system failed or is absent, 2 when the configuration cannot measure what it should.
@@ -226,8 +228,31 @@ def run_system(system: str, args, workloads: list[Workload], work: Path, bytes_p
     return rows
 
 
+def pooled(rows: list[dict]) -> list[dict]:
+    """One row per workload and system: mean TTFT, p99 TTFT and request throughput averaged over its rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["system"]), []).append(r)
+    out = []
+    for group in groups.values():
+        row = {**group[0], "rounds": len(group)}
+        for key in ("mean_ttft_seconds", "p99_ttft_seconds", "request_throughput"):
+            row[key] = round(sum(r[key] for r in group) / len(group), 4)
+        out.append(row)
+    return out
+
+
 def print_ratios(rows: list[dict]) -> None:
-    """Every system's mean TTFT, p99 TTFT and request throughput over the limit's, LMCache's and vLLM alone's."""
+    """Every system's mean TTFT, p99 TTFT and request throughput over the limit's, LMCache's and vLLM alone's: per
+    round when there were several, then over all rounds (each figure's mean over the rounds)."""
+    rounds = sorted({r.get("round", 1) for r in rows})
+    if len(rounds) > 1:
+        for k in rounds:
+            print_ratios_of([r for r in rows if r.get("round", 1) == k], f"round {k}: ")
+    print_ratios_of(pooled(rows), f"mean of {len(rounds)} rounds: " if len(rounds) > 1 else "")
+
+
+def print_ratios_of(rows: list[dict], label: str) -> None:
     by = {(r["workload"], r["system"]): r for r in rows}
     for workload in dict.fromkeys(r["workload"] for r in rows):
         for base in ("limit", "lmcache", "vllm"):
@@ -238,7 +263,7 @@ def print_ratios(rows: list[dict]) -> None:
                 r = by.get((workload, system))
                 if r is None or system == base:
                     continue
-                print(f"{workload:12s} {system:11s} / {base:7s}: mean TTFT "
+                print(f"{label}{workload:12s} {system:11s} / {base:7s}: mean TTFT "
                       f"{r['mean_ttft_seconds'] / b['mean_ttft_seconds']:.3f}x, p99 TTFT "
                       f"{r['p99_ttft_seconds'] / b['p99_ttft_seconds']:.3f}x, request throughput "
                       f"{r['request_throughput'] / b['request_throughput']:.3f}x")
@@ -265,6 +290,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reserved-cpu", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU for every vLLM")
     ap.add_argument("--max-model-len", type=positive, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="the client's --seed (workloads add 0, 1, 2)")
+    ap.add_argument("--rounds", type=positive, default=1,
+                    help="run every system this many times, every other round in reverse order; ratios per round "
+                         "and of the means over rounds (one CSV row per round)")
     ap.add_argument("--baseline-src", default=None, help="kvtier_base runs kvtier from this src folder")
     ap.add_argument("--py-spy", default=None, help="profile the kvtier systems into this folder (not a timed run)")
     ap.add_argument("--timeout-seconds", type=positive, default=1200, help="one client run's limit")
@@ -314,14 +342,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for system in [s for s in args.systems if s not in absent]:
-            print(f"{system}:", flush=True)
-            try:
-                rows += run_system(system, args, workloads, work, bytes_per_token)
-            except Exception as exc:  # one system failing must not lose the others' figures
-                traceback.print_exc()
-                absent[system] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    return finish(rows, absent, args.csv, args.chart, vllm_bench_chart, print_ratios, started)
+        for k in range(1, args.rounds + 1):
+            # every other round in reverse order (ABBA): a machine that slows down or speeds up during the run
+            # weighs on every system alike
+            order = args.systems if k % 2 else args.systems[::-1]
+            for system in [s for s in order if s not in absent]:
+                print(f"{system}" + (f" (round {k} of {args.rounds})" if args.rounds > 1 else "") + ":", flush=True)
+                try:
+                    rows += [{**row, "round": k} for row in run_system(system, args, workloads, work, bytes_per_token)]
+                except Exception as exc:  # one system failing must not lose the others' figures
+                    traceback.print_exc()
+                    absent[system] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    chart = lambda rows, path: vllm_bench_chart(pooled(rows), path)  # noqa: E731
+    return finish(rows, absent, args.csv, args.chart, chart, print_ratios, started)
 
 
 if __name__ == "__main__":
