@@ -48,7 +48,7 @@ import psutil
 from charts import vllm_bench_chart
 from kvtier_harness.metrics import total
 from kvtier_harness.vllm import LMCacheServer, ServerProcessForVLLM, lmcache_missing, model_dir, require_vllm
-from report import RESULTS_DIR, Refused, commit_line, finish, positive
+from report import RESULTS_DIR, Refused, commit_line, finish, mean, positive
 from vllm_procs import VLLM_BLOCK_TOKENS, VLLMServer, kv_bytes_per_token, log_problems
 
 HERE = Path(__file__).resolve().parent
@@ -237,7 +237,7 @@ def pooled(rows: list[dict]) -> list[dict]:
     for group in groups.values():
         row = {**group[0], "rounds": len(group)}
         for key in ("mean_ttft_seconds", "p99_ttft_seconds", "request_throughput"):
-            row[key] = round(sum(r[key] for r in group) / len(group), 4)
+            row[key] = mean(r[key] for r in group)
         out.append(row)
     return out
 

@@ -4,9 +4,9 @@
 
 The script itself and the harness (``kvtier_harness``, which finds the models and starts the servers) run from this
 tree; the processes they start, the kvtier server and vLLM with kvtier's connector, get ``OTHER/src`` first on
-their ``PYTHONPATH`` and so run the other tree's kvtier (``git archive <commit> src | tar -x -C DIR`` makes one). Use
-it for trees whose server flags and connector keys the harness's are (``benchmarks/vllm_bench.py --baseline-src``
-does the same for one system inside a run).
+their ``PYTHONPATH`` and so run the other tree's kvtier (``git archive <commit> src | tar -x -C DIR`` makes one). The
+other tree must accept the server flags and connector keys this harness passes (``benchmarks/vllm_bench.py
+--baseline-src`` does the same for one system inside a run).
 """
 
 from __future__ import annotations
